@@ -1,0 +1,172 @@
+"""Data produced by the PML layer and consumed by the engine.
+
+This module is the contract between ``pckernels.pml`` (parsing, layout) and
+``pckernels.engine`` (encoding, assembly). Everything here is plain, immutable data.
+
+Vocabulary
+----------
+* A *module* is a named unit whose KV states are encoded once. Its *own tokens* are the
+  tokens written directly inside it (children excluded), parameter slots included as
+  ``len`` placeholder tokens. Own tokens may be non-contiguous in position when children
+  interrupt them.
+* The *root* module (name ``ROOT``) holds the schema's anonymous text (text outside any
+  module, role-tag expansions at schema level, the BOS token if the tokenizer adds one).
+  It is imported by every prompt.
+* *Positions* are fixed by the schema (see ``Schema.layout``). Text after the schema
+  starts at ``Schema.length``.
+* Encoding scope (used by the engine): a module's own tokens attend to its own tokens and
+  to the own tokens of its ancestors (root included) at earlier-or-equal positions, which
+  are present whenever it is imported; scaffold members additionally attend to the other
+  members of the scaffold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+ROOT = ""
+"""Name of the anonymous root module."""
+
+LayoutKind = Literal["anonymous", "module", "union", "param", "scaffold"]
+SegmentKind = Literal["cached", "slot", "argument", "text"]
+
+
+@dataclass(frozen=True)
+class LayoutEntry:
+    """One element of a schema's layout: positions ``start .. start + length - 1``.
+
+    ``name`` is the qualified name (``"parent/child"``; ``"module/param"`` for parameters;
+    ``ROOT`` for anonymous text runs); ``parent`` the qualified name of the enclosing module,
+    union or scaffold (``None`` at top level).
+    """
+
+    name: str
+    kind: LayoutKind
+    start: int
+    length: int
+    parent: str | None
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter slot of ``length`` positions starting at ``start``.
+
+    ``offset`` is the index of the slot's first token within the owning module's own tokens.
+    ``default`` holds the token ids of the optional default (``scaffold=`` in the original
+    spelling), used when a prompt imports the module without an argument.
+    """
+
+    name: str
+    module: str
+    start: int
+    length: int
+    offset: int
+    default: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Module:
+    """A module's own tokens and their schema positions (``len(token_ids) == len(position_ids)``)."""
+
+    name: str
+    parent: str | None
+    token_ids: tuple[int, ...]
+    position_ids: tuple[int, ...]
+    params: tuple[Param, ...] = ()
+    union: str | None = None
+    scaffolds: tuple[str, ...] = ()
+    children: tuple[str, ...] = ()
+    start: int = 0
+    length: int = 0
+    """Span of the module including its children."""
+
+    def ancestors(self, modules: Mapping[str, "Module"]) -> tuple[str, ...]:
+        """Qualified names of the enclosing modules, innermost first, ending with ``ROOT``."""
+        out = []
+        parent = self.parent
+        while parent is not None:
+            out.append(parent)
+            parent = modules[parent].parent
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Scaffold:
+    """Modules encoded jointly in one attention span; their joint states override the
+    individual ones when a prompt imports all of ``members``."""
+
+    name: str
+    members: tuple[str, ...]
+
+
+@dataclass(eq=False)
+class Schema:
+    """A parsed schema. ``modules`` is in document order and starts with ``ROOT``."""
+
+    name: str
+    modules: dict[str, Module]
+    layout: tuple[LayoutEntry, ...]
+    scaffolds: dict[str, Scaffold]
+    length: int
+    digest: str
+    """sha256 of the schema source text, module sources and tokenizer identity."""
+    placeholder_token_id: int
+    tokenizer: Any = field(repr=False, default=None)
+    source: str | None = None
+    unions: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of prompt tokens.
+
+    * ``cached``: own tokens of an imported module (``module``), states from the cache;
+    * ``slot``: a parameter's placeholder tokens (cached, never seen by uncached tokens);
+    * ``argument``: fresh tokens of an argument, at the slot's first positions;
+    * ``text``: fresh uncached text.
+    """
+
+    kind: SegmentKind
+    token_ids: tuple[int, ...]
+    position_ids: tuple[int, ...]
+    module: str | None = None
+    param: str | None = None
+
+
+@dataclass(eq=False)
+class ResolvedPrompt:
+    """A prompt resolved against its schema.
+
+    ``modules``: imported module names (``ROOT`` first, document order).
+    ``scaffolds``: scaffolds all of whose members are imported (their joint states apply).
+    ``arguments``: ``(module, param) -> token ids`` for every imported parameter (defaults
+    filled in; an empty tuple when no argument and no default).
+    ``segments``: every token of the prompt, sorted by position (slots before the
+    argument at the same position).
+    """
+
+    schema: Schema
+    modules: tuple[str, ...]
+    scaffolds: tuple[str, ...]
+    arguments: dict[tuple[str, str], tuple[int, ...]]
+    segments: tuple[Segment, ...]
+    source: str | None = None
+
+    def live_segments(self) -> tuple[Segment, ...]:
+        """Segments whose tokens make up the prompt as the model reads it (no slots)."""
+        return tuple(s for s in self.segments if s.kind != "slot")
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Token ids of the live prompt, in position order."""
+        return tuple(t for s in self.live_segments() for t in s.token_ids)
+
+    @property
+    def position_ids(self) -> tuple[int, ...]:
+        """Schema positions of ``token_ids``."""
+        return tuple(p for s in self.live_segments() for p in s.position_ids)
+
+    @property
+    def uncached_segments(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.kind in ("argument", "text"))
