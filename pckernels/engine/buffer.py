@@ -1,0 +1,174 @@
+"""The assembly buffer: a preallocated KV area reused across calls, and the HF cache over it.
+
+Layout: ``data [L, 2, H, capacity, D]`` (layers, key/value, KV heads, rows, head dim). Each
+row holds one token's key and value at its schema position (``row_pos``); ``row_bias`` is
+``0`` for live rows and ``-inf`` for rows that must never be attended (unused parameter
+slot rows). The buffer only grows. It remembers which cached block occupies which rows, so
+a later prompt that places the same block at the same rows skips the copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from pckernels.integration.adapters import KVLayout
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Rows ``dst_row .. dst_row + n_rows`` hold rows ``src_row ..`` of the block ``key``."""
+
+    key: tuple
+    src_row: int
+    dst_row: int
+    n_rows: int
+
+
+class AssemblyBuffer:
+    """Grow-only KV buffer with per-row positions and liveness.
+
+    ``data [L, 2, H, capacity, D]``; ``row_pos [capacity]`` int64; ``row_bias [capacity]`` in the
+    buffer's dtype (0 live, -inf dead); ``length`` rows are in use.
+    """
+
+    def __init__(self, layout: KVLayout, *, dtype: torch.dtype, device: torch.device | str,
+                 capacity: int = 0) -> None:
+        self.layout = layout
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.length = 0
+        self.allocations = 0
+        self._resident: dict[int, Placement] = {}
+        self.data = self._alloc_data(0)
+        self.row_pos = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.row_bias = torch.zeros(0, dtype=dtype, device=self.device)
+        self.ensure_capacity(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[3]
+
+    def _alloc_data(self, rows: int) -> torch.Tensor:
+        lay = self.layout
+        return torch.empty((lay.num_layers, 2, lay.num_kv_heads, rows, lay.head_dim),
+                           dtype=self.dtype, device=self.device)
+
+    def ensure_capacity(self, rows: int) -> None:
+        """Grow to hold ``rows`` rows (by at least 1.5x, rounded to 256); contents are dropped."""
+        if rows <= self.capacity:
+            return
+        new_cap = max(rows, int(self.capacity * 1.5))
+        new_cap = -(-new_cap // 256) * 256
+        self.data = self._alloc_data(new_cap)
+        self.row_pos = torch.zeros(new_cap, dtype=torch.long, device=self.device)
+        self.row_bias = torch.zeros(new_cap, dtype=self.dtype, device=self.device)
+        self._resident.clear()
+        self.allocations += 1
+
+    def keys(self, layer: int, rows: int) -> torch.Tensor:
+        """View ``[1, H, rows, D]`` of layer ``layer``'s keys."""
+        return self.data[layer, 0, :, :rows].unsqueeze(0)
+
+    def values(self, layer: int, rows: int) -> torch.Tensor:
+        return self.data[layer, 1, :, :rows].unsqueeze(0)
+
+    def resident(self, placement: Placement) -> bool:
+        """Whether ``placement``'s rows already hold that block's data."""
+        return self._resident.get(placement.dst_row) == placement
+
+    def mark_resident(self, placement: Placement) -> None:
+        self.invalidate_rows(placement.dst_row, placement.dst_row + placement.n_rows)
+        self._resident[placement.dst_row] = placement
+
+    def invalidate_rows(self, start: int, stop: int) -> None:
+        """Forget every placement overlapping rows ``start .. stop - 1`` (they are being overwritten)."""
+        if stop <= start or not self._resident:
+            return
+        stale = [row for row, p in self._resident.items() if row < stop and start < row + p.n_rows]
+        for row in stale:
+            del self._resident[row]
+
+    def invalidate_all(self) -> None:
+        self._resident.clear()
+
+    def poison_(self) -> None:
+        """Fill every row with NaN and forget residency (tests: unwritten rows cannot pass)."""
+        with torch.inference_mode():
+            self.data.fill_(float("nan"))
+        self._resident.clear()
+
+    def attention_mask(self, query_pos: torch.Tensor, rows: int) -> torch.Tensor:
+        """Additive mask ``[1, 1, q, rows]``: a query at position p sees live rows at positions <= p."""
+        visible = self.row_pos[:rows].unsqueeze(0) <= query_pos.unsqueeze(1)
+        bias = self.row_bias[:rows].unsqueeze(0).expand(visible.shape)
+        return torch.where(visible, bias, torch.full_like(bias, NEG_INF))[None, None]
+
+
+class _BufferLayer(CacheLayerMixin):
+    """One layer's view of the assembly buffer: ``update`` writes the new rows in place and
+    returns the keys/values of rows ``0 .. extent - 1``."""
+
+    def __init__(self, cache: "BufferCache", layer: int) -> None:
+        super().__init__()
+        self._cache = cache
+        self._layer = layer
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        cache = self._cache
+        buf = cache.buffer
+        cache.write_rows_fn(buf, self._layer, key_states, value_states, cache.write_rows, cache.write_start)
+        self.keys = buf.keys(self._layer, cache.extent)
+        self.values = buf.values(self._layer, cache.extent)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.extent, 0
+
+    def get_seq_length(self) -> int:
+        return self._cache.extent
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def write_rows_torch(buf: AssemblyBuffer, layer: int, key_states: torch.Tensor, value_states: torch.Tensor,
+                     rows: torch.Tensor | None, start: int) -> None:
+    """Write ``key_states/value_states [1, H, q, D]`` into buffer rows ``rows`` (or the
+    contiguous rows ``start .. start + q`` when ``rows`` is None)."""
+    q = key_states.shape[2]
+    if rows is None:
+        buf.data[layer, 0, :, start:start + q].copy_(key_states[0])
+        buf.data[layer, 1, :, start:start + q].copy_(value_states[0])
+    else:
+        buf.data[layer, 0].index_copy_(1, rows, key_states[0])
+        buf.data[layer, 1].index_copy_(1, rows, value_states[0])
+
+
+class BufferCache(Cache):
+    """A transformers ``Cache`` backed by an :class:`AssemblyBuffer`.
+
+    Before each forward the engine sets ``write_rows`` (the rows of the new tokens, or None with
+    ``write_start`` for a contiguous run) and ``extent`` (rows visible to attention).
+    """
+
+    def __init__(self, buffer: AssemblyBuffer, write_rows_fn=write_rows_torch) -> None:
+        self.buffer = buffer
+        self.write_rows_fn = write_rows_fn
+        self.write_rows: torch.Tensor | None = None
+        self.write_start = 0
+        self.extent = 0
+        super().__init__(layers=[_BufferLayer(self, i) for i in range(buffer.layout.num_layers)])
+
+    def prepare(self, *, rows: torch.Tensor | None, start: int, extent: int) -> None:
+        self.write_rows = rows
+        self.write_start = start
+        self.extent = extent

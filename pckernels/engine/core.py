@@ -1,0 +1,390 @@
+"""PromptCache: encode schema modules once, assemble them per prompt, generate."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from transformers import DynamicCache
+
+from pckernels.engine.buffer import AssemblyBuffer, BufferCache, Placement
+from pckernels.engine.plan import CachedPlan, module_scope, plan_cached, plan_reference
+from pckernels.engine.result import GenerationResult
+from pckernels.engine.sampling import StopChecker, make_generator, select_token
+from pckernels.engine.store import BlockKey, MemoryStore
+from pckernels.errors import PMLError
+from pckernels.integration.adapters import ModelAdapter, adapter_for
+from pckernels.pml import parse_prompt, parse_schema
+from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
+
+log = logging.getLogger(__name__)
+
+MODES = ("cached", "reference", "baseline")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float32 on CPU; bf16 on GPUs that support it, else fp16."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """Identity of a model for cache keys: its config, dtype and a sample of its weights."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    h.update(str(dtype).encode())
+    for _, param in list(model.named_parameters())[:2] + list(model.named_parameters())[-1:]:
+        sample = param.detach().reshape(-1)[:4096].float().cpu()
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+class PromptCache:
+    """Modular KV reuse over a HuggingFace causal LM.
+
+    ``add_schema`` encodes every module of a PML schema once; ``generate`` answers a PML prompt
+    by copying the imported modules' KV into a reusable buffer and computing only the new
+    tokens. Modes: ``cached`` (the product), ``reference`` (the exactness oracle: one full forward
+    with the module-scoped mask) and ``baseline`` (plain causal prefill, no reuse).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, name: str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.dtype = dtype or next(model.parameters()).dtype
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
+        self.adapter: ModelAdapter = adapter_for(self.model)
+        self.layout = self.adapter.kv_layout()
+        self.model_id = model_fingerprint(self.model, self.dtype)
+        self.store = MemoryStore()
+        self.schemas: dict[str, Schema] = {}
+        self._block_positions: dict[BlockKey, torch.Tensor] = {}
+        self.buffer = AssemblyBuffer(self.layout, dtype=self.dtype, device=self.device)
+        self._cache = BufferCache(self.buffer)
+        self._encode_buffer = AssemblyBuffer(self.layout, dtype=self.dtype, device=self.device)
+        self._encode_cache = BufferCache(self._encode_buffer)
+        eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+        eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = eos_ids
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str = "smollm2", *, device: str | torch.device | None = None,
+                        dtype: torch.dtype | str | None = None) -> "PromptCache":
+        """Load a model: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct; otherwise a HF model
+        id or local path (loaded offline from the local HF cache when no network is available)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dev = torch.device(device) if device is not None else default_device()
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        dt = dtype or default_dtype(dev)
+        if name_or_path == "smollm2":
+            from pckernels.integration import embedded
+
+            tokenizer = embedded.load_tokenizer()
+            model = embedded.load_model(dtype=dt)
+            name = "SmolLM2-135M-Instruct"
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dt)
+            name = str(name_or_path)
+        adapter_for(model)
+        return cls(model, tokenizer, device=dev, dtype=dt, name=name)
+
+    def add_schema(self, text_or_path: str | os.PathLike, *, progress: bool = False) -> Schema:
+        """Parse a schema (PML text or a file path) and encode all of its modules and scaffolds.
+
+        The same schema text again encodes nothing. Raises ``PMLError`` on bad input, leaving the
+        cache unchanged.
+        """
+        text, base_dir = _read_source(text_or_path)
+        schema = parse_schema(text, self.tokenizer, base_dir=base_dir, max_positions=self.adapter.max_positions())
+        previous = self.schemas.get(schema.name)
+        if previous is not None and previous.digest == schema.digest:
+            return previous
+        _check_scaffolds(schema)
+        self._encode_schema(schema, progress=progress)
+        self.schemas[schema.name] = schema
+        return schema
+
+    def _block_key(self, schema: Schema, module: str, scaffold: str = "") -> BlockKey:
+        return BlockKey(self.model_id, schema.digest, module, scaffold)
+
+    @torch.inference_mode()
+    def _encode_schema(self, schema: Schema, *, progress: bool) -> None:
+        units: list[tuple[str, tuple[str, ...]]] = [("", (name,)) for name in schema.modules]
+        units += [(s.name, s.members) for s in schema.scaffolds.values()]
+        todo = [u for u in units if self._block_key(schema, u[1][0], u[0]) not in self.store]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        tokens = sum(len(schema.modules[m].token_ids) for _, members in todo for m in members)
+        iterator = todo
+        if progress:
+            from rich.progress import track
+
+            iterator = track(todo, description=f"encoding {schema.name}", transient=True)
+        for scaffold, members in iterator:
+            self._encode_unit(schema, scaffold, members)
+        log.info("encoded %d blocks (%d tokens) of schema %r in %.2f s", len(todo), tokens, schema.name,
+                 time.perf_counter() - t0)
+
+    def _encode_unit(self, schema: Schema, scaffold: str, members: tuple[str, ...]) -> None:
+        """Encode ``members`` (one module, or a scaffold's members jointly) over their ancestors'
+        blocks, attending causally by position; store one block per member."""
+        modules = schema.modules
+        context = [a for a in reversed(modules[members[0]].ancestors(modules))]
+        own = sorted(((p, t, m) for m in members for p, t in zip(modules[m].position_ids, modules[m].token_ids)))
+        buf = self._encode_buffer
+        ctx_rows = sum(len(modules[a].token_ids) for a in context)
+        total = ctx_rows + len(own)
+        buf.ensure_capacity(total)
+        placements = self._place_blocks(buf, schema, [(a, "") for a in context], start_row=0)
+        if own:
+            positions = torch.tensor([p for p, _, _ in own], dtype=torch.long, device=self.device)
+            buf.row_pos[ctx_rows:total] = positions
+            buf.row_bias[:total] = 0
+            ids = torch.tensor([[t for _, t, _ in own]], dtype=torch.long, device=self.device)
+            self._encode_cache.prepare(rows=None, start=ctx_rows, extent=total)
+            mask = buf.attention_mask(positions, total).to(self.dtype)
+            self.adapter.forward(ids, positions[None], mask, self._encode_cache)
+            buf.invalidate_rows(ctx_rows, total)
+        del placements
+        offset = ctx_rows
+        for member in members:
+            n = len(modules[member].token_ids)
+            rows = [offset + i for i, (_, _, m) in enumerate(own) if m == member]
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            block = buf.data.index_select(3, index) if n else buf.data[:, :, :, :0].clone()
+            key = self._block_key(schema, member, scaffold)
+            self.store.put(key, block)
+            self._block_positions[key] = torch.tensor(modules[member].position_ids, dtype=torch.long,
+                                                      device=self.device)
+
+    def _place_blocks(self, buf: AssemblyBuffer, schema: Schema, blocks: list[tuple[str, str]],
+                      start_row: int) -> list[Placement]:
+        """Copy ``(module, scaffold)`` blocks into consecutive rows from ``start_row``, skipping
+        blocks already resident at those rows; set their rows' positions."""
+        placements = []
+        row = start_row
+        for module, scaffold in blocks:
+            key = self._block_key(schema, module, scaffold)
+            block = self.store.get(key)
+            n = block.shape[3]
+            placement = Placement(key, 0, row, n)
+            if n and not buf.resident(placement):
+                buf.data[:, :, :, row:row + n].copy_(block)
+                buf.row_pos[row:row + n] = self._block_positions[key]
+                buf.mark_resident(placement)
+            placements.append(placement)
+            row += n
+        return placements
+
+    def resolve(self, prompt: str | ResolvedPrompt) -> ResolvedPrompt:
+        """Parse a PML prompt against the added schemas."""
+        if isinstance(prompt, ResolvedPrompt):
+            return prompt
+        return parse_prompt(prompt, self.schemas)
+
+    def generate(self, prompt: str | ResolvedPrompt, *, max_new_tokens: int = 64, mode: str = "cached",
+                 temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
+                 seed: int | None = None) -> GenerationResult:
+        """Answer a PML prompt. See the class docstring for ``mode``."""
+        run = self._run(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
+                        top_p=top_p, stop=stop, seed=seed)
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                return done.value
+
+    def stream(self, prompt: str | ResolvedPrompt, **kwargs) -> Iterator[str]:
+        """Like ``generate`` but yields the answer's text as it is produced."""
+        run = self._run(prompt, **kwargs)
+        emitted = ""
+        try:
+            while True:
+                text = next(run)
+                if len(text) > len(emitted) and not text.endswith("\ufffd"):
+                    yield text[len(emitted):]
+                    emitted = text
+        except StopIteration as done:
+            final = done.value.text
+            if len(final) > len(emitted):
+                yield final[len(emitted):]
+
+    @torch.inference_mode()
+    def _run(self, prompt, *, max_new_tokens: int, mode: str, temperature: float, top_p: float, stop, seed):
+        t0 = time.perf_counter()
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        resolved = self.resolve(prompt)
+        if not resolved.token_ids:
+            raise PMLError("the prompt has no tokens; import a module or add text")
+        limit = self.adapter.max_positions()
+        last_pos = max(resolved.position_ids) if mode != "baseline" else len(resolved.token_ids) - 1
+        if limit is not None and last_pos + 1 >= limit:
+            raise PMLError(f"the prompt reaches position {last_pos}, leaving no room to generate within the "
+                           f"model's {limit} positions")
+        generator = make_generator(seed)
+        if mode == "baseline":
+            logits, positions, cached, computed, step = self._prefill_baseline(resolved)
+        elif mode == "reference":
+            logits, positions, cached, computed, step = self._prefill_reference(resolved, max_new_tokens)
+        else:
+            logits, positions, cached, computed, step = self._prefill_cached(resolved, max_new_tokens)
+        first_logits = logits[-1].float()
+        token = select_token(first_logits, temperature=temperature, top_p=top_p, generator=generator)
+        _sync(self.device)
+        ttft = time.perf_counter() - t0
+        stopper = StopChecker(self.tokenizer, stop, self.eos_ids)
+        out_ids = [token]
+        next_pos = positions[-1] + 1 if mode == "baseline" else max(positions) + 1
+        done, reason = stopper.check(out_ids)
+        while not done and len(out_ids) < max_new_tokens:
+            if limit is not None and next_pos >= limit:
+                reason = "length"
+                break
+            yield self.tokenizer.decode(out_ids, skip_special_tokens=True)
+            logits = step(token, next_pos)
+            token = select_token(logits[-1].float(), temperature=temperature, top_p=top_p, generator=generator)
+            out_ids.append(token)
+            next_pos += 1
+            done, reason = stopper.check(out_ids)
+        if not done:
+            reason = "length"
+        _sync(self.device)
+        text = stopper.trim(self.tokenizer.decode(out_ids, skip_special_tokens=True))
+        return GenerationResult(
+            text=text, token_ids=out_ids, prompt_token_ids=list(resolved.token_ids), positions=list(positions),
+            ttft_s=ttft, total_s=time.perf_counter() - t0, cached_tokens=cached, computed_tokens=computed,
+            first_logits=first_logits.cpu(), mode=mode, finish_reason=reason,
+        )
+
+    def _prefill_cached(self, resolved: ResolvedPrompt, max_new_tokens: int):
+        plan: CachedPlan = plan_cached(resolved)
+        if not plan.new_tokens:
+            raise PMLError("the prompt has no uncached tokens after its last module; add text (for example "
+                           "<user>…</user><assistant/>) so the model has something to answer")
+        buf = self.buffer
+        buf.ensure_capacity(plan.rows + max_new_tokens)
+        self._place_blocks(buf, resolved.schema, [(b.module, b.scaffold) for b in plan.blocks], start_row=0)
+        buf.row_bias[:plan.rows] = 0
+        if plan.dead_rows:
+            buf.row_bias[torch.tensor(plan.dead_rows, device=self.device)] = float("-inf")
+        positions = torch.tensor(plan.new_positions, dtype=torch.long, device=self.device)
+        ids = torch.tensor([plan.new_tokens], dtype=torch.long, device=self.device)
+        if plan.new_rows_contiguous:
+            start, rows = plan.new_rows[0], None
+            buf.row_pos[start:start + len(plan.new_rows)] = positions
+            buf.invalidate_rows(start, start + len(plan.new_rows))
+        else:
+            start = 0
+            rows = torch.tensor(plan.new_rows, dtype=torch.long, device=self.device)
+            buf.row_pos[rows] = positions
+            for row in plan.new_rows:
+                buf.invalidate_rows(row, row + 1)
+        self._cache.prepare(rows=rows, start=start, extent=plan.rows)
+        logits = self.adapter.forward(ids, positions[None], buf.attention_mask(positions, plan.rows), self._cache)
+        step = self._decode_step(plan.rows)
+        all_positions = list(resolved.position_ids)
+        computed = len(plan.new_tokens)
+        return logits, all_positions, plan.cached_tokens, computed, step
+
+    def _prefill_reference(self, resolved: ResolvedPrompt, max_new_tokens: int):
+        ref = plan_reference(resolved)
+        buf = self.buffer
+        n = len(ref.tokens)
+        buf.ensure_capacity(n + max_new_tokens)
+        buf.invalidate_all()
+        positions = torch.tensor(ref.positions, dtype=torch.long, device=self.device)
+        buf.row_pos[:n] = positions
+        live = torch.tensor(ref.live, dtype=torch.bool, device=self.device)
+        buf.row_bias[:n] = torch.where(live, 0.0, float("-inf")).to(self.dtype)
+        mask = torch.zeros(1, 1, n, n, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~ref.mask.to(self.device)[None, None], float("-inf"))
+        ids = torch.tensor([ref.tokens], dtype=torch.long, device=self.device)
+        self._cache.prepare(rows=None, start=0, extent=n)
+        logits = self.adapter.forward(ids, positions[None], mask, self._cache)
+        step = self._decode_step(n)
+        return logits, list(resolved.position_ids), 0, n, step
+
+    def _prefill_baseline(self, resolved: ResolvedPrompt):
+        ids = torch.tensor([resolved.token_ids], dtype=torch.long, device=self.device)
+        n = ids.shape[1]
+        positions = torch.arange(n, device=self.device)[None]
+        cache = DynamicCache(config=self.model.config)
+        logits = self.adapter.forward(ids, positions, None, cache)
+
+        def step(token: int, pos: int) -> torch.Tensor:
+            tok = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            return self.adapter.forward(tok, torch.tensor([[pos]], device=self.device), None, cache)
+
+        return logits, list(range(n)), 0, n, step
+
+    def _decode_step(self, rows: int):
+        """A closure that appends one decoded token at the next row and returns its logits."""
+        buf, cache = self.buffer, self._cache
+        state = {"row": rows}
+
+        def step(token: int, pos: int) -> torch.Tensor:
+            row = state["row"]
+            if row >= buf.capacity:
+                raise RuntimeError("assembly buffer overflow while decoding")
+            buf.invalidate_rows(row, row + 1)
+            buf.row_pos[row] = pos
+            buf.row_bias[row] = 0
+            cache.prepare(rows=None, start=row, extent=row + 1)
+            mask = buf.row_bias[:row + 1].view(1, 1, 1, row + 1)
+            tok = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            logits = self.adapter.forward(tok, torch.tensor([[pos]], device=self.device), mask, cache)
+            state["row"] = row + 1
+            return logits
+
+        return step
+
+
+def _read_source(text_or_path: str | os.PathLike) -> tuple[str, Path | None]:
+    """Schema text and its base directory (for ``src=``); accepts PML text or a file path."""
+    if isinstance(text_or_path, os.PathLike) or (
+            isinstance(text_or_path, str) and "<" not in text_or_path and len(text_or_path) < 4096):
+        path = Path(text_or_path)
+        try:
+            return path.read_text(encoding="utf-8"), path.resolve().parent
+        except OSError as exc:
+            raise PMLError(f"cannot read schema file {str(path)!r}: {exc.strerror or exc}") from None
+    return str(text_or_path), None
+
+
+def _check_scaffolds(schema: Schema) -> None:
+    """A scaffold's members must share a parent and have no child modules: their joint states
+    replace the individual ones, and a child's cached states depend on its parent's."""
+    for scaffold in schema.scaffolds.values():
+        parents = {schema.modules[m].parent for m in scaffold.members}
+        if len(parents) > 1:
+            raise PMLError(f"scaffold {scaffold.name!r}: members must share one parent, got {sorted(map(str, parents))}")
+        for m in scaffold.members:
+            if schema.modules[m].children:
+                raise PMLError(f"scaffold {scaffold.name!r}: member {m!r} contains nested modules; "
+                               "scaffold members must be leaf modules")
