@@ -1,0 +1,98 @@
+"""Backend selection, the Triton launch counter and small helpers shared by the kernels.
+
+Triton decides between compiling and interpreting when a kernel is decorated, so
+``TRITON_INTERPRET=1`` must be set before these modules are imported for the kernels to
+run on CPU tensors (tests/conftest.py does this when CUDA is unavailable).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+
+import torch
+
+log = logging.getLogger(__name__)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+    tl = None
+
+HAS_TRITON = triton is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+BACKENDS = ("auto", "triton", "torch")
+BACKEND_ENV = "PROMPTCACHE_KERNEL_BACKEND"
+
+_counts: Counter[str] = Counter()
+_lock = threading.Lock()
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def launch_counts() -> dict[str, int]:
+    """How many times each Triton kernel was launched from Python (eager launches only)."""
+    with _lock:
+        return dict(_counts)
+
+
+def reset_launch_counts() -> None:
+    """Zero the launch counter."""
+    with _lock:
+        _counts.clear()
+
+
+def count_launch(name: str) -> None:
+    """Record one launch of the Triton kernel ``name``."""
+    with _lock:
+        _counts[name] += 1
+
+
+def resolve_backend(backend: str | None) -> str:
+    """``None`` means ``$PROMPTCACHE_KERNEL_BACKEND`` (default ``"auto"``)."""
+    if backend is None:
+        backend = os.environ.get(BACKEND_ENV, "auto") or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def triton_runnable(device: torch.device) -> bool:
+    """True when a Triton kernel can run on tensors of ``device`` (CUDA, or CPU in the interpreter)."""
+    if not HAS_TRITON:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and INTERPRET)
+
+
+def use_triton(device: torch.device, backend: str) -> bool:
+    """Whether ``backend`` selects the Triton kernel for tensors on ``device``.
+
+    ``"auto"`` picks Triton on CUDA and the torch path elsewhere; ``"triton"`` forces the
+    kernel and raises when it cannot run there.
+    """
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if not triton_runnable(device):
+            raise RuntimeError(
+                f"backend='triton' cannot run on {device}: needs CUDA, or TRITON_INTERPRET=1 set "
+                "before pckernels.kernels is imported (CPU)"
+            )
+        return True
+    if backend == "auto":
+        return device.type == "cuda" and HAS_TRITON
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """Same-size integer view of ``t`` (same shape and strides): copies through it are bit-exact."""
+    return t.view(_BITS[t.element_size()])
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= max(n, 1)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
