@@ -115,6 +115,8 @@ class Schema:
     tokenizer: Any = field(repr=False, default=None)
     source: str | None = None
     unions: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    max_positions: int | None = None
+    """The model's position limit the schema was laid out for (prompts are checked against it)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,453 @@
+"""Prompt resolution: PML prompt text + schemas -> ``ResolvedPrompt``.
+
+Text placement rule (uncached text is never dropped):
+
+* Text after the last import starts at ``Schema.length`` and continues contiguously.
+* Text before or between imports starts right after the preceding imported element
+  (the cursor; anonymous schema text counts as imported) and must end before the next
+  imported element starts. If it does not fit, ``PMLError`` says how many positions are
+  missing and how to declare room (a ``<param>`` buffer in the schema).
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from lxml import etree
+
+from pckernels.errors import PMLError
+from pckernels.pml.document import Limits, Source, TextPart, is_valid_name, local_tag, read_document
+from pckernels.pml.elements import (
+    ROLE_TAGS,
+    XML_WHITESPACE,
+    attributes,
+    is_empty,
+    space_mode,
+    text_offset,
+    text_runs,
+)
+from pckernels.pml.model import ROOT, Module, ResolvedPrompt, Schema, Segment
+from pckernels.pml.roles import role_format
+from pckernels.pml.tokens import encode_batch
+
+
+@dataclass
+class _TextRun:
+    text: str
+    offset: int | None
+    ids: tuple[int, ...] = ()
+
+
+@dataclass
+class _Import:
+    """One import element: a module (with arguments and nested imports) or a scaffold."""
+
+    element: Any
+    modules: tuple[str, ...]
+    """Modules this element imports explicitly (one, or a scaffold's members)."""
+    start: int
+    end: int
+    label: str
+    arguments: dict[str, str] = field(default_factory=dict)
+    children: list["_Import"] = field(default_factory=list)
+
+
+def _qualify(parent: str, name: str) -> str:
+    return name if parent == ROOT else f"{parent}/{name}"
+
+
+def _span_label(start: int, end: int) -> str:
+    return f"position {start}" if end - start <= 1 else f"positions {start}-{end - 1}"
+
+
+class _PromptReader:
+    """Reads the prompt tree into a stream of text runs and imports (pass 1)."""
+
+    def __init__(self, source: Source, schema: Schema) -> None:
+        self.source = source
+        self.schema = schema
+        self.stream: list[_TextRun | _Import] = []
+        self.explicit: dict[str, Any] = {}
+        self.implicit: set[str] = set()
+        self._roles = None
+
+    def error(self, message: str, element: Any = None, offset: int | None = None) -> PMLError:
+        return self.source.error(message, element, offset=offset)
+
+    def read(self) -> None:
+        root = self.source.root
+        self._content(root, space_mode(self.source, root, False), in_role=False)
+
+    def _add_text(self, text: str, offset: int | None) -> None:
+        if self.stream and isinstance(self.stream[-1], _TextRun):
+            self.stream[-1].text += text
+        else:
+            self.stream.append(_TextRun(text, offset))
+
+    def _content(self, element: Any, preserve: bool, *, in_role: bool) -> None:
+        for part in text_runs(element, preserve, lambda _: False):
+            if isinstance(part, TextPart):
+                self._add_text(part.text, text_offset(self.source, part))
+                continue
+            tag = local_tag(part)
+            if tag in ROLE_TAGS:
+                self._role(part, preserve, in_role=in_role)
+            else:
+                self.stream.append(self._import(part, ROOT))
+
+    def _role(self, element: Any, preserve: bool, *, in_role: bool) -> None:
+        tag = element.tag
+        if in_role:
+            raise self.error(f"<{tag}> cannot be inside another role tag", element)
+        attributes(self.source, element, ())
+        if self._roles is None:
+            self._roles = role_format(self.schema.tokenizer)
+        preserve = space_mode(self.source, element, preserve)
+        offset = self.source.element_offset(element)
+        if tag == "assistant" and is_empty(element) and not (preserve and element.text):
+            self._add_text(self._roles.generation_prompt, offset)
+            return
+        if tag not in self._roles.affixes:
+            raise self.error(f"<{tag}> cannot be expanded: {self._roles.unsupported[tag]}",
+                             element)
+        prefix, suffix = self._roles.affixes[tag]
+        if prefix:
+            self._add_text(prefix, offset)
+        self._content(element, preserve, in_role=True)
+        if suffix:
+            self._add_text(suffix, offset)
+
+    def _resolve(self, scope: str, name: str, element: Any) -> list[str]:
+        """Qualified names from ``scope`` down to the module ``name`` (a path with '/')."""
+        parts = name.split("/")
+        chain = []
+        current = scope
+        for part in parts:
+            qualified = _qualify(current, part) if part else None
+            if not part or not is_valid_name(part) or qualified not in self.schema.modules:
+                raise self.error(self._unknown_message(scope, name), element)
+            chain.append(qualified)
+            current = qualified
+        return chain
+
+    def _unknown_message(self, scope: str, name: str) -> str:
+        modules = self.schema.modules
+        where = f"schema {self.schema.name!r}" if scope == ROOT else f"module {scope!r}"
+        local = [c.rsplit("/", 1)[-1] for c in modules[scope].children] if scope in modules else []
+        qualified = [m for m in modules if m != ROOT]
+        message = f"unknown module {name!r} in {where}"
+        nested = [m for m in qualified if m.rsplit("/", 1)[-1] == name and m != _qualify(scope, name)]
+        if nested:
+            target = nested[0]
+            message += (f"; {target!r} is nested: import it as <module name=\"{target}\"/> or "
+                        "inside its parent's import")
+            return message
+        close = difflib.get_close_matches(name, local + qualified, n=3, cutoff=0.6)
+        if close:
+            message += "; did you mean " + " or ".join(repr(c) for c in dict.fromkeys(close)) + "?"
+        elif local:
+            shown = ", ".join(local[:10]) + (", …" if len(local) > 10 else "")
+            message += f"; it has: {shown}"
+        return message
+
+    def _mark(self, name: str, element: Any) -> None:
+        if name in self.explicit:
+            raise self.error(f"module {name!r} is imported twice; import it once (put all of "
+                             "its nested imports inside that one element)", element)
+        self.explicit[name] = element
+
+    def _import(self, element: Any, scope: str) -> _Import:
+        tag = local_tag(element)
+        if tag is None:
+            raise self.error(f"namespaced element <{element.tag}> is not PML; import modules "
+                             "with <name/> or <module name=\"…\"/>", element)
+        if tag in ROLE_TAGS:
+            raise self.error(f"<{tag}> cannot be inside a module import; put role tags "
+                             "around imports, not inside them", element)
+        if tag == "scaffold":
+            return self._scaffold_import(element, scope)
+        if tag == "module":
+            values = dict(element.attrib)
+            if "name" not in values:
+                raise self.error("<module> in a prompt needs name=\"…\": the module to import",
+                                 element)
+            name = values.pop("name")
+        else:
+            values = dict(element.attrib)
+            name = tag
+        values = {k: v for k, v in values.items() if not k.startswith("{")}
+        chain = self._resolve(scope, name, element)
+        self.implicit.update(chain[:-1])
+        target = chain[-1]
+        self._mark(target, element)
+        module = self.schema.modules[target]
+        params = {p.name for p in module.params}
+        for key in values:
+            if key not in params:
+                known = ", ".join(sorted(params)) if params else "none"
+                close = difflib.get_close_matches(key, sorted(params), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise self.error(f"module {target!r} has no parameter {key!r} (its parameters: "
+                                 f"{known}){hint}", element)
+        node = _Import(element, (target,), module.start, module.start + module.length,
+                       repr(target), arguments=values)
+        preserve = space_mode(self.source, element, False)
+        for part in text_runs(element, preserve, lambda _: False):
+            if isinstance(part, TextPart):
+                raise self.error(f"text inside the import of {target!r} is not allowed (it would "
+                                 "land inside the module); put it before or after the import, "
+                                 "or pass it as a parameter argument",
+                                 offset=text_offset(self.source, part), element=element)
+            node.children.append(self._import(part, target))
+        return node
+
+    def _scaffold_import(self, element: Any, scope: str) -> _Import:
+        values = attributes(self.source, element, ("name",), ("name",))
+        name = values["name"]
+        scaffold = self.schema.scaffolds.get(name)
+        if scaffold is None:
+            close = difflib.get_close_matches(name, list(self.schema.scaffolds), n=3)
+            hint = ("; did you mean " + " or ".join(map(repr, close)) + "?") if close else \
+                f"; it has: {', '.join(self.schema.scaffolds) or 'no scaffolds'}"
+            raise self.error(f"unknown scaffold {name!r} in schema {self.schema.name!r}{hint}",
+                             element)
+        if not is_empty(element):
+            raise self.error(f"<scaffold name=\"{name}\"/> must be empty; import members "
+                             "individually to pass arguments", element)
+        members = scaffold.members
+        parent = self.schema.modules[members[0]].parent or ROOT
+        if scope != ROOT and parent != scope:
+            raise self.error(f"scaffold {name!r} is not inside module {scope!r}", element)
+        node = self.schema.modules[parent]
+        while node.name != ROOT and node.name != scope:
+            self.implicit.add(node.name)
+            node = self.schema.modules[node.parent]
+        for member in members:
+            self._mark(member, element)
+        modules = [self.schema.modules[m] for m in members]
+        start = min(m.start for m in modules)
+        end = max(m.start + m.length for m in modules)
+        return _Import(element, tuple(members), start, end, f"scaffold {name!r}")
+
+
+def _runs(module: Module) -> list[tuple[int, int]]:
+    """Contiguous position runs of a module's own tokens, as (start, end)."""
+    runs: list[tuple[int, int]] = []
+    for position in module.position_ids:
+        if runs and runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], position + 1)
+        else:
+            runs.append((position, position + 1))
+    return runs
+
+
+class _Placer:
+    """Checks import order and places uncached text (pass 3)."""
+
+    def __init__(self, source: Source, schema: Schema, imported: list[str],
+                 limits: Limits) -> None:
+        self.source = source
+        self.schema = schema
+        self.limits = limits
+        occupied: list[tuple[int, int, str]] = []
+        for name in imported:
+            for start, end in _runs(schema.modules[name]):
+                occupied.append((start, end, name))
+        occupied.sort()
+        self.occupied = occupied
+        self.starts = [start for start, _, _ in occupied]
+        self.segments: list[Segment] = []
+
+    def _owner(self, name: str) -> str:
+        return "the schema's anonymous text" if name == ROOT else f"module {name!r}"
+
+    def check_order(self, node: _Import, cursor: int, previous: str | None) -> int:
+        if node.start < cursor:
+            after = f" after {previous}" if previous else ""
+            raise self.source.error(
+                f"{node.label} ({_span_label(node.start, node.end)}) cannot come{after} "
+                f"(the prompt is already at position {cursor}); list imports in schema order",
+                node.element)
+        inner = node.start
+        inner_previous = None
+        for child in node.children:
+            inner = self.check_order(child, inner, inner_previous)
+            inner_previous = child.label
+        return node.end
+
+    def place(self, run: _TextRun, cursor: int, previous: str | None, following: str) -> int:
+        count = len(run.ids)
+        position = cursor
+        index = bisect.bisect_right(self.starts, position) - 1
+        while 0 <= index < len(self.occupied) and self.occupied[index][1] > position:
+            position = self.occupied[index][1]
+            index += 1
+        next_index = bisect.bisect_left(self.starts, position)
+        limit = self.occupied[next_index][0] if next_index < len(self.occupied) else self.schema.length
+        if position + count > limit:
+            blocker = self._owner(self.occupied[next_index][2]) if next_index < len(self.occupied) \
+                else "the end of the schema"
+            after = f"after {previous}" if previous else "at the start of the prompt"
+            free = limit - position
+            raise self.source.error(
+                f"text {after} needs {count} positions but only {free} are free at "
+                f"{position} before {blocker} (next import: {following}); declare room for it in "
+                f"the schema, e.g. <param name=\"buffer\" len=\"{count}\"/> inside a module, and "
+                "pass the text as that parameter's argument, or move the text after the last "
+                "import", offset=run.offset)
+        self.segments.append(Segment("text", run.ids, tuple(range(position, position + count))))
+        return position + count
+
+    def place_trailing(self, run: _TextRun, position: int) -> int:
+        count = len(run.ids)
+        end = position + count
+        model_limit = self.schema.max_positions
+        if model_limit is not None and end > model_limit:
+            raise self.source.error(f"the prompt ends at position {end}, past the model's limit "
+                                    f"of {model_limit} positions (schema ends at "
+                                    f"{self.schema.length}); shorten the text",
+                                    offset=run.offset)
+        if end > self.limits.max_positions:
+            raise self.source.error(f"the prompt ends at position {end}, past "
+                                    f"{self.limits.max_positions} (Limits.max_positions)",
+                                    offset=run.offset)
+        self.segments.append(Segment("text", run.ids, tuple(range(position, end))))
+        return end
+
+
+def _module_segments(module: Module, arguments: dict[tuple[str, str], tuple[int, ...]]
+                     ) -> list[Segment]:
+    """Cached runs, slots and arguments of one imported module."""
+    out: list[Segment] = []
+    slots = {p.offset: p for p in module.params}
+    tokens, positions = module.token_ids, module.position_ids
+    run_start = 0
+
+    def flush(end: int) -> None:
+        if end > run_start:
+            out.append(Segment("cached", tokens[run_start:end], positions[run_start:end],
+                               module=module.name))
+
+    index = 0
+    while index < len(tokens):
+        param = slots.get(index)
+        if param is not None:
+            flush(index)
+            end = index + param.length
+            out.append(Segment("slot", tokens[index:end], positions[index:end],
+                               module=module.name, param=param.name))
+            argument = arguments[(module.name, param.name)]
+            if argument:
+                out.append(Segment("argument", argument,
+                                   tuple(range(param.start, param.start + len(argument))),
+                                   module=module.name, param=param.name))
+            index = end
+            run_start = index
+            continue
+        if index > run_start and positions[index] != positions[index - 1] + 1:
+            flush(index)
+            run_start = index
+        index += 1
+    flush(len(tokens))
+    return out
+
+
+def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
+                 limits: Limits | None = None, label: str | None = None) -> ResolvedPrompt:
+    """Resolve a PML prompt against the schema it names (``<prompt schema="…">``).
+
+    ``schemas`` maps schema names to parsed schemas (a single ``Schema`` also works).
+    Raises ``PMLError`` for every rejection; nothing is modified on failure.
+    """
+    limits = limits or Limits()
+    source = read_document(text, limits, label=label, kind="prompt")
+    root = source.root
+    if local_tag(root) != "prompt":
+        raise source.error(f"a prompt must start with <prompt schema=\"…\">, not <{root.tag}>",
+                           root)
+    values = attributes(source, root, ("schema",), ("schema",))
+    if isinstance(schemas, Schema):
+        schemas = {schemas.name: schemas}
+    schema = schemas.get(values["schema"])
+    if not isinstance(schema, Schema):
+        name = values["schema"]
+        close = difflib.get_close_matches(name, [str(k) for k in schemas], n=3)
+        hint = ("; did you mean " + " or ".join(map(repr, close)) + "?") if close else \
+            f"; known schemas: {', '.join(map(str, schemas)) or 'none'}"
+        raise source.error(f"unknown schema {name!r}{hint}", root)
+
+    reader = _PromptReader(source, schema)
+    reader.read()
+    imported_set = set(reader.explicit) | reader.implicit | {ROOT}
+    imported = [name for name in schema.modules if name in imported_set]
+
+    for union, members in schema.unions.items():
+        chosen = [m for m in members if m in imported_set]
+        if len(chosen) > 1:
+            second = reader.explicit.get(chosen[1])
+            raise source.error(f"modules {chosen[0]!r} and {chosen[1]!r} belong to the same "
+                               f"union {union!r}; a prompt may import at most one of its "
+                               "members", second)
+
+    imports = [node for node in _flatten(reader.stream)]
+    runs = [item for item in reader.stream if isinstance(item, _TextRun)]
+    argument_items = [(node, key, value) for node in imports for key, value in node.arguments.items()]
+    encoded = encode_batch(schema.tokenizer, [r.text for r in runs] + [v for _, _, v in argument_items])
+    for run, ids in zip(runs, encoded):
+        run.ids = ids
+
+    arguments: dict[tuple[str, str], tuple[int, ...]] = {}
+    for name in imported:
+        for param in schema.modules[name].params:
+            arguments[(name, param.name)] = param.default
+    for (node, key, _), ids in zip(argument_items, encoded[len(runs):]):
+        target = node.modules[0]
+        param = next(p for p in schema.modules[target].params if p.name == key)
+        if len(ids) > param.length:
+            raise source.error(f"argument for parameter {key!r} of module {target!r} is "
+                               f"{len(ids)} tokens, longer than its len={param.length}; "
+                               "shorten it or raise len in the schema", node.element)
+        arguments[(target, key)] = ids
+
+    placer = _Placer(source, schema, imported, limits)
+    last_import = max((i for i, item in enumerate(reader.stream) if isinstance(item, _Import)),
+                      default=-1)
+    cursor = 0
+    trailing = schema.length
+    previous: str | None = None
+    for index, item in enumerate(reader.stream):
+        if isinstance(item, _Import):
+            cursor = placer.check_order(item, cursor, previous)
+            previous = item.label
+        elif not item.ids:
+            continue
+        elif index > last_import:
+            trailing = placer.place_trailing(item, trailing)
+        else:
+            following = next(i.label for i in reader.stream[index + 1:] if isinstance(i, _Import))
+            cursor = placer.place(item, cursor, previous, following)
+            previous = "the text"
+
+    segments = list(placer.segments)
+    for name in imported:
+        segments.extend(_module_segments(schema.modules[name], arguments))
+    segments.sort(key=lambda s: (s.position_ids[0], s.kind == "argument"))
+    scaffolds = tuple(name for name, scaffold in schema.scaffolds.items()
+                      if all(m in imported_set for m in scaffold.members))
+    return ResolvedPrompt(schema=schema, modules=tuple(imported), scaffolds=scaffolds,
+                          arguments=arguments, segments=tuple(segments), source=source.text)
+
+
+def _flatten(stream: list[Any]):
+    for item in stream:
+        if isinstance(item, _Import):
+            yield from _flatten_import(item)
+
+
+def _flatten_import(node: _Import):
+    yield node
+    for child in node.children:
+        yield from _flatten_import(child)

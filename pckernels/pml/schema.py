@@ -1,0 +1,534 @@
+"""Schema parsing and layout: PML text -> ``Schema`` (modules, positions, unions, scaffolds).
+
+Parsing happens in three passes: the element tree is checked and turned into declarations
+(names, nesting, text runs), all text runs are tokenized in one batch, and the layout pass
+assigns positions in document order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from lxml import etree
+
+from pckernels.errors import PMLError
+from pckernels.pml.document import Limits, Source, TextPart, local_tag, read_document
+from pckernels.pml.elements import (
+    ROLE_TAGS,
+    XML_WHITESPACE,
+    attributes,
+    check_name,
+    is_empty,
+    space_mode,
+    text_offset,
+    text_runs,
+)
+from pckernels.pml.model import ROOT, LayoutEntry, Module, Param, Scaffold, Schema
+from pckernels.pml.roles import role_format
+from pckernels.pml.tokens import encode_batch, fingerprint, placeholder_token_id, special_prefix
+
+LAYOUT_VERSION = "pml-layout-1"
+"""Changes whenever the same schema text could lay out differently (part of the digest)."""
+
+_PARAM_TAGS = ("param", "parameter")
+_SCHEMA_TAGS = ("module", "union", "scaffold") + _PARAM_TAGS + ROLE_TAGS
+
+
+@dataclass
+class _Text:
+    text: str
+    ids: tuple[int, ...] = ()
+
+
+@dataclass
+class _Tokens:
+    ids: tuple[int, ...]
+
+
+@dataclass
+class _Slot:
+    name: str
+    length: int
+    default_text: str | None
+    default_ids: tuple[int, ...] = ()
+    element: Any = None
+
+
+@dataclass
+class _ModuleDecl:
+    name: str
+    parent: str | None
+    layout_parent: str | None
+    element: Any
+    union: str | None = None
+    scaffold: str | None = None
+    items: list = field(default_factory=list)
+    local_names: set[str] = field(default_factory=set)
+
+    def add_text(self, text: str) -> None:
+        if self.items and isinstance(self.items[-1], _Text):
+            self.items[-1].text += text
+        else:
+            self.items.append(_Text(text))
+
+
+@dataclass
+class _UnionDecl:
+    name: str
+    layout_parent: str | None
+    members: list[_ModuleDecl] = field(default_factory=list)
+
+
+@dataclass
+class _ScaffoldDecl:
+    name: str
+    layout_parent: str | None
+    members: list[_ModuleDecl] = field(default_factory=list)
+
+
+_Item = Union[_Text, _Tokens, _Slot, _ModuleDecl, _UnionDecl, _ScaffoldDecl]
+
+
+def _is_param(part: Any) -> bool:
+    return isinstance(part, etree._Element) and part.tag in _PARAM_TAGS
+
+
+def _qualify(parent: str, name: str) -> str:
+    return name if parent == ROOT else f"{parent}/{name}"
+
+
+class _SchemaReader:
+    """Turns a schema element tree into declarations (pass 1)."""
+
+    def __init__(self, source: Source, tokenizer: Any, base_dir: Path | None,
+                 limits: Limits) -> None:
+        self.source = source
+        self.tokenizer = tokenizer
+        self.base_dir = base_dir
+        self.limits = limits
+        self.module_count = 0
+        self.src_bytes = 0
+        self.src_records: list[tuple[str, str]] = []
+        self.unions: dict[str, _UnionDecl] = {}
+        self.scaffolds: dict[str, _ScaffoldDecl] = {}
+        self.top_names: dict[str, str] = {}
+        self._roles = None
+
+    def error(self, message: str, element: Any = None, offset: int | None = None) -> PMLError:
+        return self.source.error(message, element, offset=offset)
+
+    def read(self) -> tuple[str, _ModuleDecl]:
+        root = self.source.root
+        if local_tag(root) != "schema":
+            raise self.error(f"a schema document must start with <schema name=\"…\">, "
+                             f"not <{root.tag}>", root)
+        values = attributes(self.source, root, ("name",), ("name",))
+        name = check_name(self.source, root, values["name"], "schema")
+        scope = _ModuleDecl(ROOT, None, None, root)
+        self._fill(scope, root, preserve=space_mode(self.source, root, False),
+                   in_role=False, in_scaffold=False)
+        prefix = special_prefix(self.tokenizer)
+        if prefix:
+            scope.items.insert(0, _Tokens(prefix))
+        elif self._roles is not None and self._roles.conversation_start:
+            scope.items.insert(0, _Text(self._roles.conversation_start))
+        if not any(isinstance(item, (_Text, _ModuleDecl, _UnionDecl, _ScaffoldDecl))
+                   for item in scope.items):
+            raise self.error(f"empty schema {name!r}: add text or <module> elements", root)
+        return name, scope
+
+    def _fill(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
+              in_scaffold: bool) -> None:
+        for part in text_runs(element, preserve, _is_param):
+            if isinstance(part, TextPart):
+                scope.add_text(part.text)
+            else:
+                self._child(scope, part, preserve=preserve, in_role=in_role,
+                            in_scaffold=in_scaffold)
+
+    def _child(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
+               in_scaffold: bool) -> None:
+        tag = local_tag(element)
+        if tag == "module":
+            scope.items.append(self._module(scope, element, preserve=preserve, in_role=in_role,
+                                            in_scaffold=in_scaffold))
+        elif tag in _PARAM_TAGS:
+            scope.items.append(self._param(scope, element))
+        elif tag == "union":
+            scope.items.append(self._union(scope, element, preserve=preserve, in_role=in_role,
+                                           in_scaffold=in_scaffold))
+        elif tag == "scaffold":
+            scope.items.append(self._scaffold(scope, element, preserve=preserve,
+                                              in_role=in_role, in_scaffold=in_scaffold))
+        elif tag in ROLE_TAGS:
+            self._role(scope, element, preserve=preserve, in_role=in_role,
+                       in_scaffold=in_scaffold)
+        else:
+            expected = ", ".join(f"<{t}>" for t in _SCHEMA_TAGS)
+            raise self.error(f"unknown element <{element.tag}> in a schema; expected one of "
+                             f"{expected}", element)
+
+    def _claim(self, scope: _ModuleDecl, element: Any, name: str, what: str) -> None:
+        if name in scope.local_names:
+            where = "at the top level of the schema" if scope.name == ROOT else \
+                f"in module {scope.name!r}"
+            raise self.error(f"duplicate name {name!r} {where}: module and parameter names "
+                             "must be unique within their module", element)
+        if scope.name == ROOT and name in self.top_names:
+            raise self.error(f"duplicate name {name!r}: a {self.top_names[name]} of that name "
+                             "already exists; top-level modules, unions and scaffolds need "
+                             "distinct names", element)
+        scope.local_names.add(name)
+        if scope.name == ROOT:
+            self.top_names[name] = what
+
+    def _module(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
+                in_scaffold: bool, union: str | None = None, scaffold: str | None = None,
+                layout_parent: str | None = None) -> _ModuleDecl:
+        values = attributes(self.source, element, ("name", "src"), ("name",))
+        local = check_name(self.source, element, values["name"], "module")
+        self._claim(scope, element, local, "module")
+        self.module_count += 1
+        if self.module_count > self.limits.max_modules:
+            raise self.error(f"too many modules: the limit is {self.limits.max_modules} "
+                             "(Limits.max_modules)", element)
+        if layout_parent is None and scope.name != ROOT:
+            layout_parent = scope.name
+        decl = _ModuleDecl(_qualify(scope.name, local), scope.name, layout_parent, element,
+                           union=union, scaffold=scaffold)
+        preserve = space_mode(self.source, element, preserve)
+        if "src" in values:
+            text = self._load_src(element, values["src"])
+            if not preserve:
+                text = text.strip(XML_WHITESPACE)
+            if text:
+                decl.add_text(text)
+        else:
+            self._fill(decl, element, preserve=preserve, in_role=in_role,
+                       in_scaffold=in_scaffold)
+        if not decl.items:
+            raise self.error(f"module {decl.name!r} is empty: give it text, a <param> or "
+                             "child modules", element)
+        return decl
+
+    def _load_src(self, element: Any, src: str) -> str:
+        if not is_empty(element):
+            raise self.error("a <module> with src= must be empty (its text comes from the "
+                             "file)", element)
+        if self.base_dir is None:
+            raise self.error(f"src={src!r} needs a base directory: pass base_dir= to "
+                             "parse_schema", element)
+        if not src or "\x00" in src or os.path.isabs(src) or src.startswith(("/", "\\")):
+            raise self.error(f"src={src!r} must be a relative path inside the schema "
+                             "directory", element)
+        base = self.base_dir.resolve()
+        try:
+            path = (base / src).resolve()
+        except (OSError, RuntimeError) as exc:
+            raise self.error(f"src={src!r} cannot be resolved: {exc}", element) from None
+        if path != base and base not in path.parents:
+            raise self.error(f"src={src!r} escapes the schema directory {str(base)!r}; "
+                             "only files inside it may be loaded", element)
+        if not path.is_file():
+            raise self.error(f"src={src!r}: no such file in {str(base)!r}", element)
+        try:
+            size = path.stat().st_size
+            self.src_bytes += size
+            if self.src_bytes > self.limits.max_src_bytes:
+                raise self.error(f"src={src!r}: files loaded by this schema exceed "
+                                 f"{self.limits.max_src_bytes} bytes (Limits.max_src_bytes)",
+                                 element)
+            data = path.read_bytes()
+        except OSError as exc:
+            raise self.error(f"src={src!r} cannot be read: {exc.strerror or exc}",
+                             element) from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise self.error(f"src={src!r} is not UTF-8 text ({exc.reason} at byte "
+                             f"{exc.start})", element) from None
+        self.src_records.append((src, hashlib.sha256(data).hexdigest()))
+        return text
+
+    def _param(self, scope: _ModuleDecl, element: Any) -> _Slot:
+        tag = element.tag
+        if scope.name == ROOT:
+            raise self.error(f"<{tag}> must be inside a <module> (a parameter is a slot in a "
+                             "module's text)", element)
+        values = attributes(self.source, element, ("name", "len", "length", "default",
+                                                   "scaffold"), ("name",))
+        name = check_name(self.source, element, values["name"], "parameter")
+        if not (name[0].isalpha() or name[0] == "_"):
+            raise self.error(f"invalid parameter name {name!r}: it must start with a letter "
+                             "or '_' so prompts can pass it as an attribute", element)
+        if "len" in values and "length" in values:
+            raise self.error(f"<{tag}> takes len= or length=, not both", element)
+        if "default" in values and "scaffold" in values:
+            raise self.error(f"<{tag}> takes default= or scaffold= (its default text), not "
+                             "both", element)
+        raw = values.get("len", values.get("length"))
+        if raw is None:
+            raise self.error(f"<{tag} name={name!r}> needs len=\"N\": the number of positions "
+                             "reserved for its argument", element)
+        raw = raw.strip(XML_WHITESPACE)
+        if not raw.isascii() or not raw.isdigit() or int(raw) < 1:
+            raise self.error(f"invalid len={raw!r} on parameter {name!r}: expected a whole "
+                             "number of tokens, at least 1", element)
+        length = int(raw)
+        if length > self.limits.max_positions:
+            raise self.error(f"len={length} on parameter {name!r} exceeds "
+                             f"{self.limits.max_positions} positions (Limits.max_positions)",
+                             element)
+        if not is_empty(element):
+            raise self.error(f"<{tag}> must be empty: write <{tag} name=\"{name}\" "
+                             f"len=\"{length}\"/>", element)
+        self._claim(scope, element, name, "parameter")
+        default = values.get("default", values.get("scaffold"))
+        return _Slot(name, length, default or None, element=element)
+
+    def _members(self, scope: _ModuleDecl, element: Any, what: str, *, preserve: bool,
+                 in_role: bool, in_scaffold: bool, union: str | None,
+                 scaffold: str | None) -> list[_ModuleDecl]:
+        members = []
+        preserve = space_mode(self.source, element, preserve)
+        for part in text_runs(element, False, lambda _: False):
+            if isinstance(part, TextPart):
+                raise self.error(f"text inside <{what}> must be inside one of its modules",
+                                 offset=text_offset(self.source, part), element=element)
+            if local_tag(part) != "module":
+                raise self.error(f"<{part.tag}> cannot appear directly inside <{what}>; only "
+                                 "<module> elements can", part)
+            members.append(self._module(scope, part, preserve=preserve, in_role=in_role,
+                                        in_scaffold=in_scaffold, union=union,
+                                        scaffold=scaffold, layout_parent=union or scaffold))
+        if not members:
+            raise self.error(f"empty <{what}>: it needs at least one <module>", element)
+        return members
+
+    def _union(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
+               in_scaffold: bool) -> _UnionDecl:
+        values = attributes(self.source, element, ("name",))
+        if "name" in values:
+            name = check_name(self.source, element, values["name"], "union")
+            if name in self.unions or name in self.scaffolds or name in self.top_names:
+                raise self.error(f"duplicate name {name!r}: union names must differ from other "
+                                 "unions, scaffolds and top-level modules", element)
+        else:
+            name = f"@union{len(self.unions) + 1}"
+        if scope.name == ROOT:
+            self.top_names[name] = "union"
+        layout_parent = None if scope.name == ROOT else scope.name
+        decl = _UnionDecl(name, layout_parent)
+        self.unions[name] = decl
+        decl.members = self._members(scope, element, "union", preserve=preserve,
+                                     in_role=in_role, in_scaffold=in_scaffold, union=name,
+                                     scaffold=None)
+        return decl
+
+    def _scaffold(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
+                  in_scaffold: bool) -> _ScaffoldDecl:
+        if in_scaffold:
+            raise self.error("scaffolds do not nest: this <scaffold> is inside another "
+                             "scaffold's module", element)
+        values = attributes(self.source, element, ("name",), ("name",))
+        name = check_name(self.source, element, values["name"], "scaffold")
+        if name in self.scaffolds or name in self.unions or name in self.top_names:
+            raise self.error(f"duplicate name {name!r}: scaffold names must differ from "
+                             "other scaffolds, unions and top-level modules", element)
+        if scope.name == ROOT:
+            self.top_names[name] = "scaffold"
+        layout_parent = None if scope.name == ROOT else scope.name
+        decl = _ScaffoldDecl(name, layout_parent)
+        self.scaffolds[name] = decl
+        decl.members = self._members(scope, element, "scaffold", preserve=preserve,
+                                     in_role=in_role, in_scaffold=True, union=None,
+                                     scaffold=name)
+        return decl
+
+    def _role(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
+              in_scaffold: bool) -> None:
+        tag = element.tag
+        if in_role:
+            raise self.error(f"<{tag}> cannot be inside another role tag", element)
+        attributes(self.source, element, ())
+        if self._roles is None:
+            self._roles = role_format(self.tokenizer)
+        preserve = space_mode(self.source, element, preserve)
+        if tag == "assistant" and is_empty(element) and not (preserve and element.text):
+            scope.add_text(self._roles.generation_prompt)
+            return
+        if tag not in self._roles.affixes:
+            raise self.error(f"<{tag}> cannot be expanded: {self._roles.unsupported[tag]}",
+                             element)
+        prefix, suffix = self._roles.affixes[tag]
+        if prefix:
+            scope.add_text(prefix)
+        self._fill(scope, element, preserve=preserve, in_role=True, in_scaffold=in_scaffold)
+        if suffix:
+            scope.add_text(suffix)
+
+
+class _Layout:
+    """Assigns positions in document order and builds the contract's data (pass 3)."""
+
+    def __init__(self, placeholder: int, limits: Limits, source: Source) -> None:
+        self.placeholder = placeholder
+        self.limits = limits
+        self.source = source
+        self.entries: list[LayoutEntry] = []
+        self.modules: dict[str, Module] = {}
+        self.total_tokens = 0
+
+    def _check(self, end: int, element: Any, what: str) -> None:
+        if end > self.limits.max_positions:
+            raise self.source.error(f"{what} ends at position {end}, past the limit of "
+                                    f"{self.limits.max_positions} positions "
+                                    "(Limits.max_positions)", element)
+
+    def module(self, decl: _ModuleDecl, start: int) -> int:
+        """Lay out ``decl`` from ``start``; returns the first position after it."""
+        is_root = decl.name == ROOT
+        entry_index = None
+        if not is_root:
+            entry_index = len(self.entries)
+            self.entries.append(LayoutEntry(decl.name, "module", start, 0, decl.layout_parent))
+        self.modules[decl.name] = None  # reserves the document-order slot
+        position = start
+        token_ids: list[int] = []
+        position_ids: list[int] = []
+        params: list[Param] = []
+        children: list[str] = []
+        for item in decl.items:
+            if isinstance(item, (_Text, _Tokens)):
+                count = len(item.ids)
+                self._check(position + count, decl.element, f"module {decl.name!r}")
+                if is_root and count:
+                    self._anonymous(position, count)
+                token_ids.extend(item.ids)
+                position_ids.extend(range(position, position + count))
+                position += count
+            elif isinstance(item, _Slot):
+                self._check(position + item.length, item.element,
+                            f"parameter {item.name!r}")
+                params.append(Param(item.name, decl.name, position, item.length,
+                                    len(token_ids), item.default_ids))
+                self.entries.append(LayoutEntry(f"{decl.name}/{item.name}", "param", position,
+                                                item.length, decl.name))
+                token_ids.extend([self.placeholder] * item.length)
+                position_ids.extend(range(position, position + item.length))
+                position += item.length
+            elif isinstance(item, _ModuleDecl):
+                children.append(item.name)
+                position = self.module(item, position)
+            elif isinstance(item, _UnionDecl):
+                index = len(self.entries)
+                self.entries.append(LayoutEntry(item.name, "union", position, 0,
+                                                item.layout_parent))
+                end = position
+                for member in item.members:
+                    children.append(member.name)
+                    end = max(end, self.module(member, position))
+                self.entries[index] = LayoutEntry(item.name, "union", position, end - position,
+                                                  item.layout_parent)
+                position = end
+            elif isinstance(item, _ScaffoldDecl):
+                index = len(self.entries)
+                self.entries.append(LayoutEntry(item.name, "scaffold", position, 0,
+                                                item.layout_parent))
+                first = position
+                for member in item.members:
+                    children.append(member.name)
+                    position = self.module(member, position)
+                self.entries[index] = LayoutEntry(item.name, "scaffold", first, position - first,
+                                                  item.layout_parent)
+        self.total_tokens += len(token_ids)
+        if self.total_tokens > self.limits.max_positions * 4:
+            raise self.source.error("the schema's modules hold more than "
+                                    f"{self.limits.max_positions * 4} tokens together "
+                                    "(4 x Limits.max_positions)", decl.element)
+        if entry_index is not None:
+            self.entries[entry_index] = LayoutEntry(decl.name, "module", start, position - start,
+                                                    decl.layout_parent)
+        self.modules[decl.name] = Module(
+            name=decl.name, parent=decl.parent, token_ids=tuple(token_ids),
+            position_ids=tuple(position_ids), params=tuple(params), union=decl.union,
+            scaffolds=(decl.scaffold,) if decl.scaffold else (), children=tuple(children),
+            start=start, length=position - start)
+        return position
+
+    def _anonymous(self, start: int, count: int) -> None:
+        if self.entries:
+            last = self.entries[-1]
+            if last.kind == "anonymous" and last.start + last.length == start:
+                self.entries[-1] = LayoutEntry(ROOT, "anonymous", last.start,
+                                               last.length + count, None)
+                return
+        self.entries.append(LayoutEntry(ROOT, "anonymous", start, count, None))
+
+
+def _walk(decl: _ModuleDecl):
+    for item in decl.items:
+        yield item
+        if isinstance(item, _ModuleDecl):
+            yield from _walk(item)
+        elif isinstance(item, (_UnionDecl, _ScaffoldDecl)):
+            for member in item.members:
+                yield member
+                yield from _walk(member)
+
+
+def parse_schema(text: str | bytes, tokenizer: Any, *, base_dir: str | os.PathLike | None = None,
+                 max_positions: int | None = None, limits: Limits | None = None,
+                 label: str | None = None) -> Schema:
+    """Parse a PML schema and lay it out.
+
+    ``base_dir`` is the directory ``src=`` paths are relative to; ``max_positions`` the
+    model's position limit (the schema must end at or before it); ``label`` names the
+    source in error messages. Raises ``PMLError`` for every rejection.
+    """
+    limits = limits or Limits()
+    if max_positions is not None and max_positions < 1:
+        raise PMLError(f"max_positions must be positive, not {max_positions}")
+    source = read_document(text, limits, label=label, kind="schema")
+    reader = _SchemaReader(source, tokenizer, Path(base_dir) if base_dir is not None else None,
+                           limits)
+    name, root = reader.read()
+
+    items = list(_walk(root))
+    texts = [item for item in items if isinstance(item, _Text)]
+    slots = [item for item in items if isinstance(item, _Slot) and item.default_text]
+    encoded = encode_batch(tokenizer, [t.text for t in texts] + [s.default_text for s in slots])
+    for item, ids in zip(texts, encoded):
+        item.ids = ids
+    for slot, ids in zip(slots, encoded[len(texts):]):
+        if len(ids) > slot.length:
+            raise source.error(f"the default of parameter {slot.name!r} is {len(ids)} tokens, "
+                               f"longer than its len={slot.length}", slot.element)
+        slot.default_ids = ids
+
+    layout = _Layout(placeholder_token_id(tokenizer), limits, source)
+    length = layout.module(root, 0)
+    if max_positions is not None and length > max_positions:
+        over = next((e for e in layout.entries if e.start + e.length > max_positions), None)
+        detail = f"; {over.kind} {over.name!r} is the first past it" if over and over.name else ""
+        raise source.error(f"schema {name!r} needs {length} positions but the model allows "
+                           f"{max_positions}{detail}", source.root)
+
+    digest = hashlib.sha256()
+    for part in (LAYOUT_VERSION, source.text, fingerprint(tokenizer)):
+        digest.update(part.encode("utf-8"))
+        digest.update(b"\x00")
+    for src, file_digest in reader.src_records:
+        digest.update(f"{src}\x00{file_digest}\x00".encode("utf-8"))
+
+    scaffolds = {s.name: Scaffold(s.name, tuple(m.name for m in s.members))
+                 for s in reader.scaffolds.values()}
+    unions = {u.name: tuple(m.name for m in u.members) for u in reader.unions.values()}
+    return Schema(name=name, modules=layout.modules, layout=tuple(layout.entries),
+                  scaffolds=scaffolds, length=length, digest=digest.hexdigest(),
+                  placeholder_token_id=layout.placeholder, tokenizer=tokenizer,
+                  source=source.text, unions=unions, max_positions=max_positions)
