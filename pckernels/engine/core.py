@@ -211,15 +211,14 @@ class PromptCache:
         """Answer a PML prompt. See the class docstring for ``mode``."""
         run = self._run(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
                         top_p=top_p, stop=stop, seed=seed)
-        while True:
-            try:
-                next(run)
-            except StopIteration as done:
-                return done.value
+        return _drain(run)
 
-    def stream(self, prompt: str | ResolvedPrompt, **kwargs) -> Iterator[str]:
+    def stream(self, prompt: str | ResolvedPrompt, *, max_new_tokens: int = 64, mode: str = "cached",
+               temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
+               seed: int | None = None) -> Iterator[str]:
         """Like ``generate`` but yields the answer's text as it is produced."""
-        run = self._run(prompt, **kwargs)
+        run = self._run(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
+                        top_p=top_p, stop=stop, seed=seed)
         emitted = ""
         try:
             while True:
@@ -363,6 +362,15 @@ class PromptCache:
             return logits
 
         return step
+
+
+def _drain(run) -> GenerationResult:
+    """Run a ``_run`` generator to completion and return its result."""
+    while True:
+        try:
+            next(run)
+        except StopIteration as done:
+            return done.value
 
 
 def _read_source(text_or_path: str | os.PathLike) -> tuple[str, Path | None]:

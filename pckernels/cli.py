@@ -1,0 +1,111 @@
+"""The ``promptcache`` command line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pckernels.errors import PMLError, UnsupportedModelError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="promptcache: reuse attention states of prompt modules declared in PML.")
+console = Console(width=None if sys.stdout.isatty() else 120)
+err_console = Console(stderr=True)
+
+
+def _load(model: str, device: Optional[str], dtype: Optional[str]):
+    from pckernels.engine import PromptCache
+
+    with console.status(f"loading {model} …"):
+        return PromptCache.from_pretrained(model, device=device, dtype=dtype)
+
+
+def _text_or_file(value: str) -> str:
+    path = Path(value)
+    if "<" not in value and path.is_file():
+        return path.read_text(encoding="utf-8")
+    return value
+
+
+@app.callback()
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details.")) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def demo(model: str = typer.Option("smollm2", help="Model name or path."),
+         max_new_tokens: int = typer.Option(32, help="Tokens to generate per answer."),
+         device: Optional[str] = typer.Option(None, help="cpu, cuda, … (default: best available)."),
+         dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16.")) -> None:
+    """Run the shipped city-guide schema in baseline and cached mode and compare."""
+    demo_dir = resources.files("pckernels") / "data" / "demo"
+    cache = _load(model, device, dtype)
+    with resources.as_file(demo_dir / "city_guide.xml") as schema_path:
+        schema = cache.add_schema(schema_path, progress=True)
+    prompts = json.loads((demo_dir / "prompts.json").read_text(encoding="utf-8"))
+    cache.generate(prompts[0]["prompt"], max_new_tokens=1)
+    cache.generate(prompts[0]["prompt"], max_new_tokens=1, mode="baseline")
+    table = Table(title=f"promptcache demo — schema {schema.name!r} on {cache.name} ({cache.device}, {cache.dtype})")
+    for col in ("prompt", "cached", "computed", "TTFT baseline", "TTFT cached", "speedup", "= reference", "= baseline"):
+        table.add_column(col, justify="left" if col == "prompt" else "right")
+    answers = []
+    for item in prompts:
+        base = cache.generate(item["prompt"], mode="baseline", max_new_tokens=max_new_tokens)
+        ref = cache.generate(item["prompt"], mode="reference", max_new_tokens=max_new_tokens)
+        cached = cache.generate(item["prompt"], mode="cached", max_new_tokens=max_new_tokens)
+        table.add_row(item["name"], str(cached.cached_tokens), str(cached.computed_tokens),
+                      f"{base.ttft_s * 1e3:.0f} ms", f"{cached.ttft_s * 1e3:.0f} ms",
+                      f"{base.ttft_s / cached.ttft_s:.1f}x",
+                      "yes" if cached.token_ids == ref.token_ids else "NO",
+                      "yes" if cached.token_ids == base.token_ids else "differs")
+        answers.append((item["name"], cached.text, base.text))
+    console.print(table)
+    for name, cached_text, base_text in answers:
+        console.print(f"[bold]{name}[/bold]\n  cached:   {cached_text.strip()}\n  baseline: {base_text.strip()}")
+
+
+@app.command()
+def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
+        prompt: str = typer.Argument(..., help="Prompt PML text (or a file holding it)."),
+        model: str = typer.Option("smollm2", help="Model name or path."),
+        mode: str = typer.Option("cached", help="cached | baseline | reference | compare"),
+        max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
+        temperature: float = typer.Option(0.0, help="0 is greedy."),
+        seed: Optional[int] = typer.Option(None, help="Sampling seed."),
+        as_json: bool = typer.Option(False, "--json", help="Print the result fields as JSON."),
+        device: Optional[str] = typer.Option(None), dtype: Optional[str] = typer.Option(None)) -> None:
+    """Answer one PML prompt against a schema."""
+    modes = ["cached", "baseline", "reference"] if mode == "compare" else [mode]
+    try:
+        cache = _load(model, device, dtype)
+        cache.add_schema(schema if "<" in schema else Path(schema))
+        text = _text_or_file(prompt)
+        results = {m: cache.generate(text, mode=m, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     seed=seed) for m in modes}
+    except (PMLError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    if as_json:
+        payload = {m: r.to_dict() for m, r in results.items()}
+        console.print_json(json.dumps(payload if mode == "compare" else payload[mode]))
+        return
+    for m, r in results.items():
+        console.print(f"[bold]{m}[/bold] ttft {r.ttft_s * 1e3:.1f} ms, cached {r.cached_tokens}, "
+                      f"computed {r.computed_tokens}: {r.text}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

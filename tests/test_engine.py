@@ -1,0 +1,229 @@
+"""Engine exactness: cached mode against the module-masked reference forward (the oracle).
+
+A tiny random Llama (GQA) with the embedded SmolLM2 tokenizer; exactness needs no trained weights.
+Tolerances: fp32 first-logits max-abs <= 1e-3 and identical greedy tokens; bf16 max-abs <= 0.1
+(logits of these random models are O(1); bf16 keeps 8 bits of mantissa).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from pckernels import PMLError
+from pckernels.engine import PromptCache
+from pckernels.engine.plan import plan_cached
+
+FP32_TOL = 1e-3
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from pckernels.integration.embedded import load_tokenizer
+
+    return load_tokenizer()
+
+
+def tiny_llama(vocab_size: int, *, seed: int = 0, layers: int = 2, dtype=torch.float32, **overrides):
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+               num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0,
+               tie_word_embeddings=True)
+    cfg.update(overrides)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def cache(tokenizer):
+    return PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+
+
+SCHEMA = """
+<schema name="guide">
+  <system>You answer questions about the documents.</system>
+  <module name="intro">Welcome to the guide. It covers three cities.</module>
+  <union name="city">
+    <module name="paris">Paris is the capital of France. The Eiffel Tower is 330 metres tall.</module>
+    <module name="tokyo">Tokyo is the capital of Japan. The Skytree is 634 metres tall and opened in 2012.</module>
+  </union>
+  <module name="plan">Plan a trip of <param name="duration" len="5"/> days for <param name="who" len="4"/> people.
+    <module name="budget">Keep the budget under <param name="amount" len="3"/> euros.</module>
+    <module name="food">Include local food.</module>
+  </module>
+  <scaffold name="pair">
+    <module name="fact-a">The red door opens on Mondays.</module>
+    <module name="fact-b">The blue door opens when the red one is closed.</module>
+  </scaffold>
+</schema>
+"""
+
+PROMPTS = {
+    "all-of-union-one": '<prompt schema="guide"><intro/><paris/><user>How tall is the tower?</user><assistant/></prompt>',
+    "other-member": '<prompt schema="guide"><tokyo/><user>When did it open?</user><assistant/></prompt>',
+    "none": '<prompt schema="guide"><user>Say hello.</user><assistant/></prompt>',
+    "params-short": '<prompt schema="guide"><plan duration="3" who="two"/><user>Go.</user><assistant/></prompt>',
+    "params-missing": '<prompt schema="guide"><plan duration="ten"/><user>Go.</user><assistant/></prompt>',
+    "nested": '<prompt schema="guide"><plan duration="4" who="five"><budget amount="900"/><food/></plan>'
+              '<user>Plan it.</user><assistant/></prompt>',
+    "nested-some": '<prompt schema="guide"><intro/><plan duration="2" who="1"><food/></plan>'
+                   '<user>And food?</user><assistant/></prompt>',
+    "scaffold-all": '<prompt schema="guide"><fact-a/><fact-b/><user>When does the blue door open?</user>'
+                    '<assistant/></prompt>',
+    "scaffold-by-name": '<prompt schema="guide"><pair/><user>Which door?</user><assistant/></prompt>',
+    "scaffold-part": '<prompt schema="guide"><fact-b/><user>Which door?</user><assistant/></prompt>',
+    "everything": '<prompt schema="guide"><intro/><tokyo/><plan duration="7" who="2"><budget amount="50"/>'
+                  '<food/></plan><fact-a/><fact-b/><user>Summarise.</user><assistant/></prompt>',
+    "text-only": '<prompt schema="guide">Just some trailing text without roles.</prompt>',
+}
+
+
+@pytest.fixture(scope="module")
+def schema(cache):
+    return cache.add_schema(SCHEMA)
+
+
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_cached_matches_reference(cache, schema, name):
+    ref = cache.generate(PROMPTS[name], mode="reference", max_new_tokens=NEW_TOKENS)
+    got = cache.generate(PROMPTS[name], mode="cached", max_new_tokens=NEW_TOKENS)
+    assert got.prompt_token_ids == ref.prompt_token_ids
+    assert got.positions == ref.positions
+    assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
+    assert got.token_ids == ref.token_ids
+    assert got.cached_tokens + got.computed_tokens <= len(got.prompt_token_ids)
+    assert got.first_logits.dtype == torch.float32 and got.first_logits.shape == (len(cache.tokenizer),)
+
+
+def test_cached_counts_tokens(cache, schema):
+    got = cache.generate(PROMPTS["params-short"], max_new_tokens=1)
+    plan = schema.modules["plan"]
+    slot_len = sum(p.length for p in plan.params)
+    cached = len(schema.modules[""].token_ids) + len(plan.token_ids) - slot_len
+    assert got.cached_tokens == cached
+    assert got.cached_tokens + got.computed_tokens == len(got.prompt_token_ids)
+
+
+def test_masking_is_in_effect(cache, schema):
+    """Baseline (plain causal attention, contiguous positions) must differ from cached mode
+    when modules are imported: proves the module mask and schema positions are applied."""
+    base = cache.generate(PROMPTS["everything"], mode="baseline", max_new_tokens=1)
+    got = cache.generate(PROMPTS["everything"], mode="cached", max_new_tokens=1)
+    assert base.prompt_token_ids == got.prompt_token_ids
+    assert base.positions == list(range(len(base.prompt_token_ids)))
+    assert (base.first_logits - got.first_logits).abs().max().item() > 1e-2
+
+
+def test_text_only_prompt_equals_baseline_suffix_positions(cache, schema):
+    got = cache.generate(PROMPTS["text-only"], max_new_tokens=2)
+    assert got.positions[-1] == schema.length + got.computed_tokens - 1
+
+
+def test_buffer_is_reused_and_only_grows(cache, schema):
+    cache.generate(PROMPTS["everything"], max_new_tokens=4)
+    ptr, allocations = cache.buffer.data.data_ptr(), cache.buffer.allocations
+    for name in ("everything", "none", "nested", "all-of-union-one"):
+        cache.generate(PROMPTS[name], max_new_tokens=4)
+    assert cache.buffer.data.data_ptr() == ptr
+    assert cache.buffer.allocations == allocations
+
+
+def test_poisoned_rows_never_reach_output(cache, schema):
+    clean = cache.generate(PROMPTS["nested"], max_new_tokens=NEW_TOKENS)
+    cache.buffer.poison_()
+    got = cache.generate(PROMPTS["nested"], max_new_tokens=NEW_TOKENS)
+    assert torch.isfinite(got.first_logits).all()
+    assert got.token_ids == clean.token_ids
+    assert torch.equal(got.first_logits, clean.first_logits)
+    used = plan_cached(cache.resolve(PROMPTS["nested"])).rows + NEW_TOKENS
+    assert torch.isnan(cache.buffer.data[:, :, :, used + 5:]).all()
+
+
+def test_same_schema_is_not_reencoded(cache, schema):
+    blocks = len(cache.store)
+    again = cache.add_schema(SCHEMA)
+    assert again is schema
+    assert len(cache.store) == blocks
+
+
+def test_blocks_keep_real_kv_heads(cache, schema):
+    cfg = cache.model.config
+    for key in list(cache.store._blocks):
+        block = cache.store.get(key)
+        assert block.shape[:3] == (cfg.num_hidden_layers, 2, cfg.num_key_value_heads)
+        assert block.dtype == torch.float32
+
+
+@pytest.mark.parametrize("bad, match", [
+    ('<prompt schema="nope"><user>hi</user></prompt>', "nope"),
+    ('<prompt schema="guide"><paris/><tokyo/><user>hi</user></prompt>', "union"),
+    ('<prompt schema="guide"><plan duration="one two three four five six seven eight nine ten"/></prompt>',
+     "duration"),
+    ('<prompt schema="guide"><parris/><user>hi</user></prompt>', "paris"),
+    ('<prompt schema="guide"><user>unclosed</prompt>', ""),
+])
+def test_bad_prompt_raises_and_cache_stays_usable(cache, schema, bad, match):
+    before = cache.generate(PROMPTS["nested"], max_new_tokens=2)
+    with pytest.raises(PMLError, match=match):
+        cache.generate(bad)
+    after = cache.generate(PROMPTS["nested"], max_new_tokens=2)
+    assert after.token_ids == before.token_ids
+    assert torch.equal(after.first_logits, before.first_logits)
+
+
+def test_prompt_without_uncached_tokens_is_refused(cache, schema):
+    with pytest.raises(PMLError, match="uncached"):
+        cache.generate('<prompt schema="guide"><intro/></prompt>')
+
+
+def test_streaming_yields_the_generated_text(cache, schema):
+    whole = cache.generate(PROMPTS["scaffold-all"], max_new_tokens=8)
+    assert "".join(cache.stream(PROMPTS["scaffold-all"], max_new_tokens=8)) == whole.text
+
+
+def test_sampling_is_seeded(cache, schema):
+    a = cache.generate(PROMPTS["none"], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    b = cache.generate(PROMPTS["none"], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    assert a.token_ids == b.token_ids
+
+
+def test_bf16_cached_matches_reference(tokenizer):
+    pc = PromptCache(tiny_llama(len(tokenizer), seed=1, dtype=torch.bfloat16), tokenizer)
+    pc.add_schema(SCHEMA)
+    for name in ("everything", "params-short", "scaffold-all"):
+        ref = pc.generate(PROMPTS[name], mode="reference", max_new_tokens=1)
+        got = pc.generate(PROMPTS[name], mode="cached", max_new_tokens=1)
+        assert (got.first_logits - ref.first_logits).abs().max().item() <= 0.1
+
+
+def test_unsupported_model_is_a_clear_error(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from pckernels import UnsupportedModelError
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(UnsupportedModelError, match="llama"):
+        PromptCache(model, tokenizer)
+
+
+@pytest.mark.slow
+def test_embedded_model_demo_schema_is_exact():
+    from importlib import resources
+    import json
+
+    pc = PromptCache.from_pretrained("smollm2")
+    demo = resources.files("pckernels") / "data" / "demo"
+    with resources.as_file(demo / "city_guide.xml") as path:
+        pc.add_schema(path)
+    prompts = json.loads((demo / "prompts.json").read_text())
+    for item in prompts[:3]:
+        ref = pc.generate(item["prompt"], mode="reference", max_new_tokens=12)
+        got = pc.generate(item["prompt"], mode="cached", max_new_tokens=12)
+        assert got.token_ids == ref.token_ids
+        assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
+        assert got.text.strip()
