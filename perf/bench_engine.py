@@ -46,11 +46,11 @@ def floor_seconds(cache: PromptCache, prompt: str) -> float:
     cache.generate(resolved, max_new_tokens=1)
     ids = torch.tensor([plan.new_tokens], device=cache.device)
     positions = torch.tensor(plan.new_positions, device=cache.device)
-    mask = cache.buffer.attention_mask(positions, plan.rows)
+    attention = cache.buffer.attention(positions, plan.rows)
     cache._cache.prepare(rows=None, start=plan.new_rows[0], extent=plan.rows)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        logits = cache.adapter.forward(ids, positions[None], mask, cache._cache)
+        logits = cache.adapter.forward(ids, positions[None], attention, cache._cache)
         int(torch.argmax(logits[-1]))
         return time.perf_counter() - t0
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from pckernels.integration.adapters import KVLayout
+from pckernels.integration.adapters import AttentionSpec, KVLayout
 
 NEG_INF = float("-inf")
 
@@ -102,11 +102,16 @@ class AssemblyBuffer:
             self.data.fill_(float("nan"))
         self._resident.clear()
 
-    def attention_mask(self, query_pos: torch.Tensor, rows: int) -> torch.Tensor:
-        """Additive mask ``[1, 1, q, rows]``: a query at position p sees live rows at positions <= p."""
-        visible = self.row_pos[:rows].unsqueeze(0) <= query_pos.unsqueeze(1)
+    def attention(self, query_pos: torch.Tensor, rows: int) -> AttentionSpec:
+        """Queries at ``query_pos [q]`` see the live rows ``0 .. rows - 1`` at positions <= their own."""
+        key_pos = self.row_pos[:rows]
+        visible = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
         bias = self.row_bias[:rows].unsqueeze(0).expand(visible.shape)
-        return torch.where(visible, bias, torch.full_like(bias, NEG_INF))[None, None]
+        return AttentionSpec(torch.where(visible, bias, torch.full_like(bias, NEG_INF)), query_pos, key_pos)
+
+    def decode_attention(self, query_pos: torch.Tensor, rows: int) -> AttentionSpec:
+        """One query past every row (decoding): it sees all live rows ``0 .. rows - 1``."""
+        return AttentionSpec(self.row_bias[:rows].view(1, rows), query_pos, self.row_pos[:rows])
 
 
 class _BufferLayer(CacheLayerMixin):

@@ -19,7 +19,7 @@ from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
 from pckernels.engine.store import BlockKey, MemoryStore
 from pckernels.errors import PMLError
-from pckernels.integration.adapters import ModelAdapter, adapter_for
+from pckernels.integration.adapters import AttentionSpec, ModelAdapter, adapter_for
 from pckernels.pml import parse_prompt, parse_schema
 from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
 
@@ -165,8 +165,7 @@ class PromptCache:
             buf.row_bias[:total] = 0
             ids = torch.tensor([[t for _, t, _ in own]], dtype=torch.long, device=self.device)
             self._encode_cache.prepare(rows=None, start=ctx_rows, extent=total)
-            mask = buf.attention_mask(positions, total).to(self.dtype)
-            self.adapter.forward(ids, positions[None], mask, self._encode_cache)
+            self.adapter.forward(ids, positions[None], buf.attention(positions, total), self._encode_cache)
             buf.invalidate_rows(ctx_rows, total)
         del placements
         offset = ctx_rows
@@ -305,7 +304,7 @@ class PromptCache:
             for row in plan.new_rows:
                 buf.invalidate_rows(row, row + 1)
         self._cache.prepare(rows=rows, start=start, extent=plan.rows)
-        logits = self.adapter.forward(ids, positions[None], buf.attention_mask(positions, plan.rows), self._cache)
+        logits = self.adapter.forward(ids, positions[None], buf.attention(positions, plan.rows), self._cache)
         step = self._decode_step(plan.rows)
         all_positions = list(resolved.position_ids)
         computed = len(plan.new_tokens)
@@ -321,11 +320,11 @@ class PromptCache:
         buf.row_pos[:n] = positions
         live = torch.tensor(ref.live, dtype=torch.bool, device=self.device)
         buf.row_bias[:n] = torch.where(live, 0.0, float("-inf")).to(self.dtype)
-        mask = torch.zeros(1, 1, n, n, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~ref.mask.to(self.device)[None, None], float("-inf"))
+        bias = torch.zeros(n, n, dtype=self.dtype, device=self.device)
+        bias.masked_fill_(~ref.mask.to(self.device), float("-inf"))
         ids = torch.tensor([ref.tokens], dtype=torch.long, device=self.device)
         self._cache.prepare(rows=None, start=0, extent=n)
-        logits = self.adapter.forward(ids, positions[None], mask, self._cache)
+        logits = self.adapter.forward(ids, positions[None], AttentionSpec(bias, positions, positions), self._cache)
         step = self._decode_step(n)
         return logits, list(resolved.position_ids), 0, n, step
 
@@ -355,9 +354,9 @@ class PromptCache:
             buf.row_pos[row] = pos
             buf.row_bias[row] = 0
             cache.prepare(rows=None, start=row, extent=row + 1)
-            mask = buf.row_bias[:row + 1].view(1, 1, 1, row + 1)
             tok = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            logits = self.adapter.forward(tok, torch.tensor([[pos]], device=self.device), mask, cache)
+            query_pos = torch.tensor([pos], device=self.device)
+            logits = self.adapter.forward(tok, query_pos[None], buf.decode_attention(query_pos, row + 1), cache)
             state["row"] = row + 1
             return logits
 

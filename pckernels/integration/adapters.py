@@ -18,6 +18,20 @@ from pckernels.errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)
+class AttentionSpec:
+    """Who attends to whom in one forward.
+
+    ``bias [q, kv]``: additive, 0 where query i may attend key j and -inf elsewhere, in the
+    model's dtype. ``query_pos [q]`` and ``key_pos [kv]``: the schema positions of queries and
+    keys, for families whose attention depends on them beyond RoPE (sliding windows, ALiBi).
+    """
+
+    bias: torch.Tensor
+    query_pos: torch.Tensor
+    key_pos: torch.Tensor
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """KV cache shape per layer: ``[1, num_kv_heads, tokens, head_dim]`` for ``num_layers`` layers."""
 
@@ -50,13 +64,19 @@ class ModelAdapter:
     def max_positions(self) -> int | None:
         return getattr(self.config, "max_position_embeddings", None)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+    def attention_mask(self, spec: AttentionSpec):
+        """What the model takes as ``attention_mask`` for ``spec``: here a 4D additive mask."""
+        return spec.bias[None, None]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention: AttentionSpec | None,
                 cache, *, last_logits_only: bool = True) -> torch.Tensor:
-        """Run the model on ``input_ids [1, q]`` at ``position_ids [1, q]``; returns float logits
-        ``[q, vocab]`` (``[1, vocab]`` for the last token when ``last_logits_only``)."""
+        """Run the model on ``input_ids [1, q]`` at ``position_ids [1, q]`` with a promptcache
+        ``cache`` (``attention`` given) or a plain HF cache with causal attention (``None``).
+        Returns logits ``[q, vocab]`` (``[1, vocab]`` for the last token when ``last_logits_only``)."""
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if self._takes_logits_to_keep and last_logits_only:
             kwargs["logits_to_keep"] = 1
+        mask = None if attention is None else self.attention_mask(attention)
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **kwargs)
         logits = out.logits[0]
         return logits[-1:] if last_logits_only else logits
