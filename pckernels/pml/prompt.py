@@ -52,6 +52,8 @@ class _Import:
     end: int
     label: str
     arguments: dict[str, str] = field(default_factory=dict)
+    implied: tuple[str, ...] = ()
+    """Enclosing modules this element imports implicitly (qualified names, scaffolds)."""
     children: list["_Import"] = field(default_factory=list)
 
 
@@ -180,7 +182,8 @@ class _PromptReader:
             name = tag
         values = {k: v for k, v in values.items() if not k.startswith("{")}
         chain = self._resolve(scope, name, element)
-        self.implicit.update(chain[:-1])
+        implied = tuple(chain[:-1])
+        self.implicit.update(implied)
         target = chain[-1]
         self._mark(target, element)
         module = self.schema.modules[target]
@@ -193,7 +196,7 @@ class _PromptReader:
                 raise self.error(f"module {target!r} has no parameter {key!r} (its parameters: "
                                  f"{known}){hint}", element)
         node = _Import(element, (target,), module.start, module.start + module.length,
-                       repr(target), arguments=values)
+                       f"module {target!r}", arguments=values, implied=implied)
         preserve = space_mode(self.source, element, False)
         for part in text_runs(element, preserve, lambda _: False):
             if isinstance(part, TextPart):
@@ -222,15 +225,18 @@ class _PromptReader:
         if scope != ROOT and parent != scope:
             raise self.error(f"scaffold {name!r} is not inside module {scope!r}", element)
         node = self.schema.modules[parent]
+        implied = []
         while node.name != ROOT and node.name != scope:
-            self.implicit.add(node.name)
+            implied.append(node.name)
             node = self.schema.modules[node.parent]
+        self.implicit.update(implied)
         for member in members:
             self._mark(member, element)
         modules = [self.schema.modules[m] for m in members]
         start = min(m.start for m in modules)
         end = max(m.start + m.length for m in modules)
-        return _Import(element, tuple(members), start, end, f"scaffold {name!r}")
+        return _Import(element, tuple(members), start, end, f"scaffold {name!r}",
+                       implied=tuple(implied))
 
 
 def _runs(module: Module) -> list[tuple[int, int]]:
@@ -278,20 +284,27 @@ class _Placer:
             inner_previous = child.label
         return node.end
 
-    def place(self, run: _TextRun, cursor: int, previous: str | None, following: str) -> int:
+    def place(self, run: _TextRun, cursor: int, done: set[str], previous: str | None,
+              following: str) -> int:
+        """Place text that precedes an import: from the cursor, past anything already
+        imported there, up to the next imported token."""
         count = len(run.ids)
         position = cursor
-        index = bisect.bisect_right(self.starts, position) - 1
-        while 0 <= index < len(self.occupied) and self.occupied[index][1] > position:
-            position = self.occupied[index][1]
+        index = max(bisect.bisect_right(self.starts, position) - 1, 0)
+        while index < len(self.occupied):
+            start, end, owner = self.occupied[index]
+            if start > position:
+                break
+            if end > position and owner in done:
+                position = end
             index += 1
-        next_index = bisect.bisect_left(self.starts, position)
-        limit = self.occupied[next_index][0] if next_index < len(self.occupied) else self.schema.length
+        limit, blocker = self.schema.length, "the end of the schema"
+        for start, end, owner in self.occupied:
+            if end > position and (start >= position or owner not in done) and start < limit:
+                limit, blocker = start, self._owner(owner)
         if position + count > limit:
-            blocker = self._owner(self.occupied[next_index][2]) if next_index < len(self.occupied) \
-                else "the end of the schema"
             after = f"after {previous}" if previous else "at the start of the prompt"
-            free = limit - position
+            free = max(limit - position, 0)
             raise self.source.error(
                 f"text {after} needs {count} positions but only {free} are free at "
                 f"{position} before {blocker} (next import: {following}); declare room for it in "
@@ -418,17 +431,21 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
     cursor = 0
     trailing = schema.length
     previous: str | None = None
+    done = {ROOT}
     for index, item in enumerate(reader.stream):
         if isinstance(item, _Import):
             cursor = placer.check_order(item, cursor, previous)
             previous = item.label
+            for node in _flatten_import(item):
+                done.update(node.modules)
+                done.update(node.implied)
         elif not item.ids:
             continue
         elif index > last_import:
             trailing = placer.place_trailing(item, trailing)
         else:
             following = next(i.label for i in reader.stream[index + 1:] if isinstance(i, _Import))
-            cursor = placer.place(item, cursor, previous, following)
+            cursor = placer.place(item, cursor, done, previous, following)
             previous = "the text"
 
     segments = list(placer.segments)

@@ -514,7 +514,10 @@ def parse_schema(text: str | bytes, tokenizer: Any, *, base_dir: str | os.PathLi
     length = layout.module(root, 0)
     if max_positions is not None and length > max_positions:
         over = next((e for e in layout.entries if e.start + e.length > max_positions), None)
-        detail = f"; {over.kind} {over.name!r} is the first past it" if over and over.name else ""
+        detail = ""
+        if over is not None:
+            what = "anonymous text" if over.name == ROOT else f"{over.kind} {over.name!r}"
+            detail = f"; {what} at position {over.start} is the first to pass it"
         raise source.error(f"schema {name!r} needs {length} positions but the model allows "
                            f"{max_positions}{detail}", source.root)
 
