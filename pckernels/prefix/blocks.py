@@ -1,0 +1,202 @@
+"""Hash-chained token blocks held under a byte budget, with reference counts and LRU eviction.
+
+A prompt is cut into fixed-size token blocks. Block ``i`` is named by a hash of its parent's
+name and its own token ids, so a name identifies the whole prefix up to and including that
+block: two prompts share block ``i`` only when their first ``(i + 1) * block_size`` tokens are
+equal. A *prompt-end* entry names a complete prompt (its full blocks plus the partial tail)
+and lets an exact repeat skip the forward entirely.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_BLOCK_TAG = b"block"
+_END_TAG = b"prompt-end"
+
+
+def _token_bytes(token_ids: list[int]) -> bytes:
+    return array("q", token_ids).tobytes()
+
+
+def block_keys(token_ids: list[int], block_size: int, root: bytes) -> list[bytes]:
+    """Chained names of the full blocks of ``token_ids`` (a trailing partial block gets none)."""
+    keys: list[bytes] = []
+    parent = root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        digest = hashlib.blake2b(_BLOCK_TAG + parent, digest_size=16)
+        digest.update(_token_bytes(token_ids[start:start + block_size]))
+        parent = digest.digest()
+        keys.append(parent)
+    return keys
+
+
+def prompt_end_key(parent: bytes, tail_ids: list[int]) -> bytes:
+    """Name of a complete prompt: its last full block's name plus the tokens after that block."""
+    digest = hashlib.blake2b(_END_TAG + parent, digest_size=16)
+    digest.update(_token_bytes(tail_ids))
+    return digest.digest()
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes held by the tensors in ``obj`` (nested lists, tuples and dicts of tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+@dataclass(eq=False)
+class CachedEntry:
+    """One stored block (or prompt end) and the model states it produced.
+
+    ``kv``: per cache layer, ``(keys, values)`` of shape ``[batch, kv_heads, num_tokens, head_dim]``
+    for the entry's own tokens, or ``None`` for layers without growing attention states.
+    ``states``: per cache layer, the recurrent/convolution state snapshot taken right after the
+    entry's last token (``None`` where the entry does not end a prefill chunk or the model has no
+    such layers). ``final_logits``: float ``[vocab]`` logits of the prompt's last token (prompt
+    ends only). ``refcount``: children in the store plus requests currently using the entry.
+    """
+
+    key: bytes
+    parent: CachedEntry | None
+    start: int
+    num_tokens: int
+    kv: list
+    states: list | None = None
+    final_logits: torch.Tensor | None = None
+    refcount: int = 0
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = tensor_bytes(self.kv) + tensor_bytes(self.states) + tensor_bytes(self.final_logits)
+
+    @property
+    def end(self) -> int:
+        """Number of prompt tokens covered up to and including this entry."""
+        return self.start + self.num_tokens
+
+    def chain(self) -> list[CachedEntry]:
+        """This entry and its ancestors, root first."""
+        out = []
+        entry: CachedEntry | None = self
+        while entry is not None:
+            out.append(entry)
+            entry = entry.parent
+        return out[::-1]
+
+
+class BlockStore:
+    """Entries by name, with reference counts and least-recently-used eviction under a byte budget.
+
+    An entry is evictable only when its ``refcount`` is zero: no child entry hangs from it and no
+    request holds it. Eviction therefore always removes leaves, and a stored chain never has a
+    gap. Not thread-safe on its own; the owner serialises calls.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[bytes, CachedEntry] = OrderedDict()
+        self.bytes = 0
+        self.evictions = 0
+        self.evicted_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def get(self, key: bytes) -> CachedEntry | None:
+        """The entry named ``key`` (marked as recently used), or ``None``."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._touch(entry)
+        return entry
+
+    def longest_chain(self, keys: list[bytes]) -> list[CachedEntry]:
+        """The stored entries for the longest run ``keys[:m]`` present in the store."""
+        found = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None:
+                break
+            found.append(entry)
+        for entry in found:
+            self._touch(entry)
+        return found
+
+    def insert(self, entry: CachedEntry) -> CachedEntry:
+        """Store ``entry`` (its parent must be stored) and return it acquired for the caller.
+
+        When an entry already has that name, the stored one wins and is returned acquired.
+        """
+        existing = self._entries.get(entry.key)
+        if existing is not None:
+            self._touch(existing)
+            existing.refcount += 1
+            return existing
+        if entry.parent is not None:
+            if self._entries.get(entry.parent.key) is not entry.parent:
+                raise ValueError("the parent of a stored entry must itself be stored")
+            entry.parent.refcount += 1
+        entry.refcount += 1
+        self._entries[entry.key] = entry
+        self.bytes += entry.nbytes
+        self.evict_to_budget()
+        return entry
+
+    def acquire(self, entry: CachedEntry | None) -> None:
+        """Hold ``entry`` (and through it, its ancestors) so that eviction skips it."""
+        if entry is not None:
+            entry.refcount += 1
+
+    def release(self, entry: CachedEntry | None) -> None:
+        """Undo one :meth:`acquire`, then evict down to the budget."""
+        if entry is not None:
+            if entry.refcount <= 0:
+                raise RuntimeError("release without a matching acquire")
+            entry.refcount -= 1
+        self.evict_to_budget()
+
+    def evict_to_budget(self) -> None:
+        """Drop least recently used unreferenced entries until the store fits its budget."""
+        while self.bytes > self.budget_bytes:
+            victim = next((e for e in self._entries.values() if e.refcount == 0), None)
+            if victim is None:
+                log.debug("prefix store over budget (%d > %d bytes) but every entry is in use",
+                          self.bytes, self.budget_bytes)
+                return
+            self._remove(victim)
+
+    def clear(self) -> None:
+        """Drop every unreferenced entry (entries held by running requests stay)."""
+        budget, self.budget_bytes = self.budget_bytes, 0
+        try:
+            self.evict_to_budget()
+        finally:
+            self.budget_bytes = budget
+
+    def _remove(self, entry: CachedEntry) -> None:
+        del self._entries[entry.key]
+        self.bytes -= entry.nbytes
+        self.evictions += 1
+        self.evicted_tokens += entry.num_tokens
+        if entry.parent is not None:
+            entry.parent.refcount -= 1
+
+    def _touch(self, entry: CachedEntry) -> None:
+        self._entries.move_to_end(entry.key)

@@ -1,0 +1,347 @@
+"""Exact automatic prefix caching for any prompt, including hybrid attention + recurrent models.
+
+Every prefill — with or without reuse — reads the prompt in chunks of ``chunk_size`` tokens that
+start at position 0 and at every multiple of ``chunk_size``. A prefill that resumes from stored
+states therefore starts at a chunk boundary and performs, chunk for chunk, the same operations
+on the same inputs as a prefill from scratch: same token ids, same position ids, same tensor
+shapes (so the same attention mask and kernel), bit-identical restored keys/values and
+recurrent states. Its first-token logits are bitwise equal to the uncached ones, and so is every
+decode step after it, because both modes decode one token at a time on equal caches.
+
+Only states produced while *reading a prompt* are stored: full blocks, plus a prompt-end entry
+(the partial last block, the states at the prompt's end and its final logits) that lets an
+exact repeat skip the forward entirely. States produced while generating an answer are never
+reused, since a later prompt containing that answer would read it in prefill chunks, a different
+computation. See ``docs/prefix.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pckernels.engine.result import GenerationResult
+from pckernels.engine.sampling import StopChecker, make_generator, select_token
+from pckernels.errors import UnsupportedModelError
+from pckernels.prefix.blocks import BlockStore, CachedEntry, block_keys, prompt_end_key
+from pckernels.prefix.prompts import Prompt, encode_prompt
+from pckernels.prefix.states import CacheStates, UnsupportedCacheError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 256
+"""Tokens per block. On the embedded SmolLM2 (fp32, 2 CPU threads) a 2K-token prefill read in
+256-token chunks costs about 17% more than one pass (64: +83%, 128: +39%, 512: +11%), while
+256 keeps the reuse granularity fine enough that a middle edit recomputes at most 255 extra
+tokens."""
+
+DEFAULT_BUDGET_BYTES = 1 << 30
+
+_PROBE_CHUNK = 8
+
+
+@dataclass
+class _Prefill:
+    """What a prefill leaves behind: ``logits`` ``[vocab]`` of the last prompt token and the cache."""
+
+    logits: torch.Tensor
+    cache: object
+    cached_tokens: int
+
+
+class _Hold:
+    """The store entry a running request keeps from eviction (``None`` before it holds one)."""
+
+    entry: CachedEntry | None = None
+
+
+class PrefixCache:
+    """Automatic, exact prefix reuse for ``model`` (a transformers causal LM in eval mode).
+
+    ``block_size``: tokens per hash-chained block. ``chunk_size``: tokens per prefill forward,
+    a multiple of ``block_size`` (default: equal); reuse resumes only at chunk boundaries.
+    ``budget_bytes``: bytes of stored states kept before least-recently-used blocks are evicted.
+    ``strict``: raise :class:`~pckernels.errors.UnsupportedModelError` at construction when the
+    model's states cannot be restored exactly; otherwise reuse is refused with a logged warning
+    and every call computes the full prompt (results report ``mode="uncached"``).
+
+    Construction runs a small self-check on random tokens: a chunked prefill must agree with a
+    one-pass prefill (the model really continues from its cached state), and a prefill resumed
+    from restored states, plus a decode step, must be bitwise equal to the uninterrupted one.
+    """
+
+    def __init__(self, model, tokenizer=None, *, block_size: int = DEFAULT_BLOCK_SIZE,
+                 chunk_size: int | None = None, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 strict: bool = False) -> None:
+        chunk_size = block_size if chunk_size is None else chunk_size
+        if block_size < 1 or chunk_size < block_size or chunk_size % block_size:
+            raise ValueError(f"need block_size >= 1 and chunk_size a multiple of it, got {block_size=}, {chunk_size=}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self.device = next(model.parameters()).device
+        self._states = CacheStates(model)
+        self._store = BlockStore(budget_bytes)
+        self._lock = threading.Lock()
+        self._root = f"promptcache-prefix/{block_size}/{chunk_size}".encode()
+        self._counters = {"queries": 0, "hits": 0, "full_hits": 0, "hit_tokens": 0, "computed_tokens": 0}
+        self.refusal = self._self_check()
+        if self.refusal is not None:
+            message = f"exact prefix reuse is not available for {type(model).__name__}: {self.refusal}"
+            if strict:
+                raise UnsupportedModelError(message)
+            log.warning("%s; prompts will be computed in full", message)
+
+    @property
+    def reuse_supported(self) -> bool:
+        """Whether reuse is active (``False`` when the self-check refused this model)."""
+        return self.refusal is None
+
+    def complete(self, prompt: Prompt, *, max_new_tokens: int = 64, reuse: bool = True,
+                 temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
+                 seed: int | None = None) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` after ``prompt`` (text, token ids or chat messages).
+
+        With ``reuse`` the longest stored prefix is restored and the rest computed; without it
+        the prompt is computed in the same chunks and nothing is looked up or stored.
+        """
+        started = time.perf_counter()
+        prompt_ids = encode_prompt(self.tokenizer, prompt)
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        use_store = reuse and self.refusal is None
+        with torch.no_grad():
+            prefill = self._prefill_reusing(prompt_ids, ids) if use_store else self._prefill_uncached(ids)
+            first_logits = prefill.logits.float()
+            generator = make_generator(seed, self.device)
+            token = select_token(first_logits, temperature=temperature, top_p=top_p, generator=generator)
+            ttft = time.perf_counter() - started
+            tokens, finish_reason = self._decode(prefill.cache, token, len(prompt_ids), max_new_tokens,
+                                                 temperature, top_p, generator, stop)
+        text = self._text(tokens, stop)
+        return GenerationResult(
+            text=text, token_ids=tokens, prompt_token_ids=prompt_ids, positions=list(range(len(prompt_ids))),
+            ttft_s=ttft, total_s=time.perf_counter() - started, cached_tokens=prefill.cached_tokens,
+            computed_tokens=len(prompt_ids) - prefill.cached_tokens, first_logits=first_logits.cpu(),
+            mode="prefix" if use_store else "uncached", finish_reason=finish_reason,
+        )
+
+    def stats(self) -> dict:
+        """Counters since construction plus the store's current size.
+
+        ``queries``: completions with reuse on; ``hits``: those that reused at least one token;
+        ``full_hits``: exact repeats served without a forward; ``hit_tokens``: prompt tokens
+        restored rather than computed; ``computed_tokens``: prompt tokens computed by those
+        queries; ``evictions`` / ``evicted_tokens``: entries and tokens dropped for the budget;
+        ``bytes`` / ``entries``: what the store holds now.
+        """
+        with self._lock:
+            return {
+                **self._counters,
+                "evictions": self._store.evictions,
+                "evicted_tokens": self._store.evicted_tokens,
+                "bytes": self._store.bytes,
+                "entries": len(self._store),
+                "budget_bytes": self._store.budget_bytes,
+                "block_size": self.block_size,
+                "chunk_size": self.chunk_size,
+                "reuse_supported": self.refusal is None,
+                "refusal": self.refusal,
+            }
+
+    def clear(self) -> None:
+        """Drop all stored blocks that no running request holds."""
+        with self._lock:
+            self._store.clear()
+
+    def _prefill_uncached(self, ids: torch.Tensor) -> _Prefill:
+        cache = self._states.new_cache()
+        logits = self._run_chunks(ids, cache, 0, self.chunk_size)
+        return _Prefill(logits, cache, 0)
+
+    def _prefill_reusing(self, prompt_ids: list[int], ids: torch.Tensor) -> _Prefill:
+        n = len(prompt_ids)
+        keys = block_keys(prompt_ids, self.block_size, self._root)
+        end_key = prompt_end_key(keys[-1] if keys else self._root, prompt_ids[len(keys) * self.block_size:])
+        hold = _Hold()
+        with self._lock:
+            end_entry = self._store.get(end_key)
+            chain = end_entry.chain() if end_entry is not None else self._resumable(self._store.longest_chain(keys), n)
+            if chain:
+                hold.entry = chain[-1]
+                self._store.acquire(hold.entry)
+        try:
+            cache = self._states.new_cache()
+            if chain:
+                self._states.restore(cache, [entry.kv for entry in chain], chain[-1].states)
+            if end_entry is not None:
+                logits, cached = end_entry.final_logits.clone(), n
+            else:
+                cached = chain[-1].end if chain else 0
+                logits = self._compute_and_store(ids, keys, end_key, cache, cached, hold)
+        finally:
+            with self._lock:
+                self._store.release(hold.entry)
+        with self._lock:
+            self._counters["queries"] += 1
+            self._counters["hits"] += cached > 0
+            self._counters["full_hits"] += end_entry is not None
+            self._counters["hit_tokens"] += cached
+            self._counters["computed_tokens"] += n - cached
+        return _Prefill(logits, cache, cached)
+
+    def _resumable(self, matched: list[CachedEntry], num_tokens: int) -> list[CachedEntry]:
+        """The longest prefix of ``matched`` a prefill can resume after: it must end on a chunk
+        boundary, carry a recurrent snapshot when the model needs one, and leave at least one
+        prompt token to compute (the final logits are only stored with prompt ends)."""
+        usable = len(matched)
+        while usable:
+            last = matched[usable - 1]
+            if (last.end % self.chunk_size == 0 and last.end < num_tokens
+                    and (last.states is not None or not self._states.has_recurrent_layers)):
+                break
+            usable -= 1
+        return matched[:usable]
+
+    def _compute_and_store(self, ids: torch.Tensor, keys: list[bytes], end_key: bytes, cache, start: int,
+                           hold: _Hold) -> torch.Tensor:
+        """Prefill ``ids[:, start:]``, storing each completed block and then the prompt end.
+
+        ``hold`` follows the deepest stored entry of this prompt. Returns the last-token logits.
+        """
+        block = self.block_size
+        recurrent = self._states.has_recurrent_layers
+
+        def store_blocks(chunk_start: int, chunk_end: int) -> None:
+            for block_start in range(chunk_start, chunk_end - block + 1, block):
+                block_end = block_start + block
+                at_boundary = recurrent and block_end % self.chunk_size == 0
+                self._insert_and_hold(hold, CachedEntry(
+                    key=keys[block_start // block], parent=hold.entry, start=block_start, num_tokens=block,
+                    kv=self._states.kv_slice(cache, block_start, block_end),
+                    states=self._states.recurrent_snapshot(cache) if at_boundary else None,
+                ))
+
+        logits = self._run_chunks(ids, cache, start, self.chunk_size, on_chunk=store_blocks)
+        full_end = len(keys) * block
+        self._insert_and_hold(hold, CachedEntry(
+            key=end_key, parent=hold.entry, start=full_end, num_tokens=ids.shape[1] - full_end,
+            kv=self._states.kv_slice(cache, full_end, ids.shape[1]),
+            states=self._states.recurrent_snapshot(cache) if recurrent else None,
+            final_logits=logits.clone(),
+        ))
+        return logits
+
+    def _insert_and_hold(self, hold: _Hold, entry: CachedEntry) -> None:
+        """Store ``entry`` (held on insertion) and drop this request's hold on its parent."""
+        with self._lock:
+            stored = self._store.insert(entry)
+            previous, hold.entry = hold.entry, stored
+            self._store.release(previous)
+
+    def _run_chunks(self, ids: torch.Tensor, cache, start: int, chunk: int, on_chunk=None) -> torch.Tensor:
+        """Forward ``ids [1, seq]`` from ``start`` (a multiple of ``chunk``) in ``chunk``-token pieces.
+
+        ``on_chunk(chunk_start, chunk_end)`` runs after each piece. Returns the logits ``[vocab]``
+        of the last token.
+        """
+        logits = None
+        for chunk_start in range(start, ids.shape[1], chunk):
+            chunk_end = min(chunk_start + chunk, ids.shape[1])
+            logits = self._forward(cache, ids[:, chunk_start:chunk_end], chunk_start)
+            if on_chunk is not None:
+                on_chunk(chunk_start, chunk_end)
+        return logits
+
+    def _forward(self, cache, input_ids: torch.Tensor, first_position: int) -> torch.Tensor:
+        """One forward of ``input_ids [1, q]`` at positions ``first_position...``; logits ``[vocab]``."""
+        positions = torch.arange(first_position, first_position + input_ids.shape[1], device=self.device)
+        out = self.model(input_ids=input_ids, position_ids=positions[None], use_cache=True, logits_to_keep=1,
+                         **{self._states.cache_argument: cache})
+        return out.logits[0, -1]
+
+    def _decode(self, cache, token: int, num_prompt_tokens: int, max_new_tokens: int, temperature: float,
+                top_p: float, generator, stop) -> tuple[list[int], str]:
+        """Greedy/sampled decoding one token per forward, identical in both modes."""
+        stopper = StopChecker(self.tokenizer, stop, self._eos_ids()) if self.tokenizer is not None else None
+        tokens: list[int] = []
+        finish_reason = "length"
+        for step in range(max_new_tokens):
+            tokens.append(token)
+            if stopper is not None:
+                done, reason = stopper.check(tokens)
+                if done:
+                    finish_reason = reason
+                    break
+            if step + 1 == max_new_tokens:
+                break
+            step_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            logits = self._forward(cache, step_ids, num_prompt_tokens + step)
+            token = select_token(logits.float(), temperature=temperature, top_p=top_p, generator=generator)
+        return tokens, finish_reason
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.tokenizer, "eos_token_id", None),
+                       getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(t) for t in source)
+        return ids
+
+    def _text(self, tokens: list[int], stop) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return StopChecker(self.tokenizer, stop, set()).trim(text)
+
+    def _self_check(self) -> str | None:
+        """``None`` when exact reuse works for this model, else the reason it is refused.
+
+        Uses ``_PROBE_CHUNK``-token chunks on ``3 * chunk + 3`` random tokens: a chunked prefill
+        must match a one-pass prefill far more closely than a prefill that ignores the earlier
+        tokens does; resuming at a chunk boundary and restoring the prompt end must then both be
+        bitwise equal to the uninterrupted prefill, for the last logits and a decode step.
+        """
+        chunk = _PROBE_CHUNK
+        vocab = self.model.get_input_embeddings().num_embeddings
+        ids = torch.randint(0, vocab, (1, 3 * chunk + 3), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(self.device)
+        n = ids.shape[1]
+        pieces: list[list] = []
+        states_at: dict[int, list] = {}
+        with torch.no_grad():
+            reference = self._states.new_cache()
+
+            def record(chunk_start: int, chunk_end: int) -> None:
+                if self._states.kinds is None:
+                    self._states.inspect(reference)
+                pieces.append(self._states.kv_slice(reference, chunk_start, chunk_end))
+                states_at[chunk_end] = self._states.recurrent_snapshot(reference)
+
+            try:
+                chunked = self._run_chunks(ids, reference, 0, chunk, on_chunk=record)
+            except UnsupportedCacheError as exc:
+                return str(exc)
+            one_pass = self._forward(self._states.new_cache(), ids, 0)
+            without_context = self._forward(self._states.new_cache(), ids[:, n - 3:], n - 3)
+            error = (chunked - one_pass).abs().max().item()
+            if not error <= 0.01 * (without_context - one_pass).abs().max().item():
+                return (f"a chunked prefill differs from a one-pass prefill (max |diff| {error:.3g}); the model "
+                        "does not continue a multi-token forward from its cached state")
+            resumed = self._states.new_cache()
+            self._states.restore(resumed, pieces[:2], states_at[2 * chunk])
+            resumed_logits = self._run_chunks(ids, resumed, 2 * chunk, chunk)
+            repeated = self._states.new_cache()
+            self._states.restore(repeated, pieces, states_at[n])
+            step = torch.tensor([[int(chunked.argmax())]], device=self.device)
+            expected = self._forward(reference, step, n)
+            if not (torch.equal(resumed_logits, chunked) and torch.equal(self._forward(resumed, step, n), expected)
+                    and torch.equal(self._forward(repeated, step, n), expected)):
+                return "a prefill resumed from restored states is not bitwise equal to an uninterrupted one"
+        return None

@@ -1,0 +1,137 @@
+"""Reading and restoring the per-layer states of a transformers ``DynamicCache``.
+
+Three kinds of cache layer are understood, all through the layer objects of
+``transformers.cache_utils`` rather than any model's own code:
+
+* growing attention layers (``DynamicLayer``): keys/values ``[batch, kv_heads, seq, head_dim]``
+  that are sliced per block;
+* linear-attention / state-space / short-convolution layers (``LinearAttentionLayer``): a
+  fixed-size convolution window and recurrent state per sub-state, snapshotted whole;
+* hybrids of both (``LinearAttentionAndFullAttentionLayer``) and empty ``DummyLayer``\\ s.
+
+Anything else (sliding-window, static, quantized or indexed layers) is reported as
+unsupported, so the caller can refuse reuse instead of restoring something approximate.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import cache_utils
+
+_KV_TYPES = tuple(t for t in (getattr(cache_utils, "DynamicLayer", None),) if t is not None)
+_LINEAR_TYPES = tuple(t for t in (getattr(cache_utils, "LinearAttentionLayer", None),) if t is not None)
+_HYBRID_TYPES = tuple(
+    t for t in (getattr(cache_utils, "LinearAttentionAndFullAttentionLayer", None),) if t is not None
+)
+_EMPTY_TYPES = tuple(t for t in (getattr(cache_utils, "DummyLayer", None),) if t is not None)
+
+KV, LINEAR, HYBRID, EMPTY = "kv", "linear", "kv+linear", "empty"
+
+
+class UnsupportedCacheError(RuntimeError):
+    """The model's cache holds a layer kind whose states cannot be restored exactly."""
+
+
+def layer_kind(layer) -> str:
+    """``"kv"``, ``"linear"``, ``"kv+linear"`` or ``"empty"``; raises for other layer classes."""
+    cls = type(layer)
+    if cls in _HYBRID_TYPES:
+        return HYBRID
+    if cls in _KV_TYPES:
+        return KV
+    if cls in _LINEAR_TYPES:
+        return LINEAR
+    if cls in _EMPTY_TYPES:
+        return EMPTY
+    supported = [t.__name__ for t in _KV_TYPES + _LINEAR_TYPES + _HYBRID_TYPES + _EMPTY_TYPES]
+    raise UnsupportedCacheError(
+        f"cache layer {cls.__name__} cannot be checkpointed exactly (supported: {', '.join(supported)})"
+    )
+
+
+class CacheStates:
+    """Creates working caches for ``model`` and copies states out of and into them.
+
+    ``kinds`` is filled from the first cache passed to :meth:`inspect`.
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.config = model.config
+        self.kinds: list[str] | None = None
+        params = inspect.signature(model.forward).parameters
+        self.cache_argument = "cache" if "cache" in params else "past_key_values"
+
+    def new_cache(self) -> cache_utils.Cache:
+        """An empty cache laid out for the model's layers."""
+        return cache_utils.DynamicCache(config=self.config)
+
+    def inspect(self, cache: cache_utils.Cache) -> list[str]:
+        """Per-layer kinds of a cache that has seen a forward pass (raises if unsupported)."""
+        kinds = [layer_kind(layer) for layer in cache.layers]
+        if not kinds:
+            raise UnsupportedCacheError("the model's cache has no layers")
+        self.kinds = kinds
+        return kinds
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether some layer carries a fixed-size state that must be checkpointed at boundaries."""
+        return any(kind in (LINEAR, HYBRID) for kind in self.kinds or ())
+
+    def kv_slice(self, cache: cache_utils.Cache, start: int, end: int) -> list:
+        """Per layer, owned copies of keys/values for tokens ``[start, end)`` (``None`` if no KV)."""
+        out = []
+        for layer, kind in zip(cache.layers, self.kinds):
+            if kind in (KV, HYBRID):
+                out.append((layer.keys[..., start:end, :].clone(), layer.values[..., start:end, :].clone()))
+            else:
+                out.append(None)
+        return out
+
+    def recurrent_snapshot(self, cache: cache_utils.Cache) -> list:
+        """Per layer, owned copies of the convolution and recurrent states as they are now.
+
+        Each item is ``None`` (no such state) or a tuple of one ``(conv, recurrent)`` pair per
+        sub-state, each tensor or ``None``.
+        """
+        out = []
+        for layer, kind in zip(cache.layers, self.kinds):
+            if kind not in (LINEAR, HYBRID):
+                out.append(None)
+                continue
+            pairs = []
+            for idx in range(layer.number_of_states):
+                conv = layer.conv_states[idx] if layer.is_conv_states_initialized[idx] else None
+                rec = layer.recurrent_states[idx] if layer.is_recurrent_states_initialized[idx] else None
+                pairs.append((None if conv is None else conv.clone(), None if rec is None else rec.clone()))
+            out.append(tuple(pairs))
+        return out
+
+    def restore(self, cache: cache_utils.Cache, kv_pieces: list[list], states: list | None) -> None:
+        """Fill an empty ``cache`` with concatenated KV pieces and a recurrent snapshot.
+
+        ``kv_pieces``: one :meth:`kv_slice` result per stored entry, in token order.
+        ``states``: a :meth:`recurrent_snapshot` taken at the end of the last piece.
+        The restored tensors are fresh contiguous copies, laid out exactly as the cache's own
+        concatenation would have produced them.
+        """
+        for layer_idx, (layer, kind) in enumerate(zip(cache.layers, self.kinds)):
+            # update_conv_state / update_recurrent_state copy into the layer's own buffers.
+            if kind in (KV, HYBRID):
+                pieces = [piece[layer_idx] for piece in kv_pieces if piece[layer_idx][0].shape[-2] > 0]
+                if pieces:
+                    keys = torch.cat([k for k, _ in pieces], dim=-2)
+                    values = torch.cat([v for _, v in pieces], dim=-2)
+                    layer.lazy_initialization(keys[..., :0, :], values[..., :0, :])
+                    layer.keys, layer.values = keys, values
+            if kind in (LINEAR, HYBRID):
+                if states is None or states[layer_idx] is None:
+                    raise ValueError(f"layer {layer_idx} needs a recurrent snapshot to be restored")
+                for idx, (conv, rec) in enumerate(states[layer_idx]):
+                    if conv is not None:
+                        cache.update_conv_state(conv, layer_idx, state_idx=idx)
+                    if rec is not None:
+                        cache.update_recurrent_state(rec, layer_idx, state_idx=idx)
