@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from pckernels import ops
 from pckernels.integration.adapters import AttentionSpec, KVLayout
 
 NEG_INF = float("-inf")
@@ -77,21 +78,41 @@ class AssemblyBuffer:
     def values(self, layer: int, rows: int) -> torch.Tensor:
         return self.data[layer, 1, :, :rows].unsqueeze(0)
 
-    def resident(self, placement: Placement) -> bool:
-        """Whether ``placement``'s rows already hold that block's data."""
-        return self._resident.get(placement.dst_row) == placement
+    def missing(self, placement: Placement) -> list[Placement]:
+        """Sub-ranges of ``placement`` whose rows do not already hold that block's data."""
+        if self._resident.get(placement.dst_row) == placement:
+            return []
+        shift = placement.dst_row - placement.src_row
+        covered = sorted((p.dst_row, p.dst_row + p.n_rows) for p in self._resident.values()
+                         if p.key == placement.key and p.dst_row - p.src_row == shift)
+        gaps, row, stop = [], placement.dst_row, placement.dst_row + placement.n_rows
+        for lo, hi in covered:
+            if hi <= row or lo >= stop:
+                continue
+            if lo > row:
+                gaps.append(Placement(placement.key, row - shift, row, lo - row))
+            row = max(row, hi)
+        if row < stop:
+            gaps.append(Placement(placement.key, row - shift, row, stop - row))
+        return gaps
 
     def mark_resident(self, placement: Placement) -> None:
         self.invalidate_rows(placement.dst_row, placement.dst_row + placement.n_rows)
         self._resident[placement.dst_row] = placement
 
     def invalidate_rows(self, start: int, stop: int) -> None:
-        """Forget every placement overlapping rows ``start .. stop - 1`` (they are being overwritten)."""
+        """Rows ``start .. stop - 1`` are being overwritten: forget them, keeping the parts of
+        overlapping placements that lie outside."""
         if stop <= start or not self._resident:
             return
-        stale = [row for row, p in self._resident.items() if row < stop and start < row + p.n_rows]
-        for row in stale:
-            del self._resident[row]
+        stale = [p for p in self._resident.values() if p.dst_row < stop and start < p.dst_row + p.n_rows]
+        for p in stale:
+            del self._resident[p.dst_row]
+            if p.dst_row < start:
+                self._resident[p.dst_row] = Placement(p.key, p.src_row, p.dst_row, start - p.dst_row)
+            end = p.dst_row + p.n_rows
+            if end > stop:
+                self._resident[stop] = Placement(p.key, p.src_row + stop - p.dst_row, stop, end - stop)
 
     def invalidate_all(self) -> None:
         self._resident.clear()
@@ -145,19 +166,6 @@ class _BufferLayer(CacheLayerMixin):
         return -1
 
 
-def write_rows_torch(buf: AssemblyBuffer, layer: int, key_states: torch.Tensor, value_states: torch.Tensor,
-                     rows: torch.Tensor | None, start: int) -> None:
-    """Write ``key_states/value_states [1, H, q, D]`` into buffer rows ``rows`` (or the
-    contiguous rows ``start .. start + q`` when ``rows`` is None)."""
-    q = key_states.shape[2]
-    if rows is None:
-        buf.data[layer, 0, :, start:start + q].copy_(key_states[0])
-        buf.data[layer, 1, :, start:start + q].copy_(value_states[0])
-    else:
-        buf.data[layer, 0].index_copy_(1, rows, key_states[0])
-        buf.data[layer, 1].index_copy_(1, rows, value_states[0])
-
-
 class BufferCache(Cache):
     """A transformers ``Cache`` backed by an :class:`AssemblyBuffer`.
 
@@ -165,7 +173,7 @@ class BufferCache(Cache):
     ``write_start`` for a contiguous run) and ``extent`` (rows visible to attention).
     """
 
-    def __init__(self, buffer: AssemblyBuffer, write_rows_fn=write_rows_torch) -> None:
+    def __init__(self, buffer: AssemblyBuffer, write_rows_fn=ops.write_rows) -> None:
         self.buffer = buffer
         self.write_rows_fn = write_rows_fn
         self.write_rows: torch.Tensor | None = None

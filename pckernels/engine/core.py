@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from pckernels.engine.buffer import AssemblyBuffer, BufferCache, Placement
 from pckernels.engine.plan import CachedPlan, module_scope, plan_cached, plan_reference
+from pckernels import ops
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
 from pckernels.engine.store import BlockKey, MemoryStore
@@ -158,7 +159,7 @@ class PromptCache:
         ctx_rows = sum(len(modules[a].token_ids) for a in context)
         total = ctx_rows + len(own)
         buf.ensure_capacity(total)
-        placements = self._place_blocks(buf, schema, [(a, "") for a in context], start_row=0)
+        self._place_blocks(buf, schema, [(a, "") for a in context], start_row=0)
         if own:
             positions = torch.tensor([p for p, _, _ in own], dtype=torch.long, device=self.device)
             buf.row_pos[ctx_rows:total] = positions
@@ -167,7 +168,6 @@ class PromptCache:
             self._encode_cache.prepare(rows=None, start=ctx_rows, extent=total)
             self.adapter.forward(ids, positions[None], buf.attention(positions, total), self._encode_cache)
             buf.invalidate_rows(ctx_rows, total)
-        del placements
         offset = ctx_rows
         for member in members:
             n = len(modules[member].token_ids)
@@ -180,23 +180,26 @@ class PromptCache:
                                                       device=self.device)
 
     def _place_blocks(self, buf: AssemblyBuffer, schema: Schema, blocks: list[tuple[str, str]],
-                      start_row: int) -> list[Placement]:
-        """Copy ``(module, scaffold)`` blocks into consecutive rows from ``start_row``, skipping
-        blocks already resident at those rows; set their rows' positions."""
-        placements = []
+                      start_row: int) -> None:
+        """Put ``(module, scaffold)`` blocks in consecutive rows from ``start_row`` with one
+        gather-concat over the row ranges that do not already hold them; set their positions."""
+        sources: list[torch.Tensor] = []
+        table: list[tuple[int, int, int, int]] = []
         row = start_row
         for module, scaffold in blocks:
             key = self._block_key(schema, module, scaffold)
             block = self.store.get(key)
             n = block.shape[3]
             placement = Placement(key, 0, row, n)
-            if n and not buf.resident(placement):
-                buf.data[:, :, :, row:row + n].copy_(block)
+            gaps = buf.missing(placement) if n else []
+            if gaps:
+                sources.append(block)
+                table.extend((len(sources) - 1, g.src_row, g.dst_row, g.n_rows) for g in gaps)
                 buf.row_pos[row:row + n] = self._block_positions[key]
                 buf.mark_resident(placement)
-            placements.append(placement)
             row += n
-        return placements
+        if table:
+            ops.gather_concat(buf.data, sources, torch.tensor(table, dtype=torch.int64))
 
     def resolve(self, prompt: str | ResolvedPrompt) -> ResolvedPrompt:
         """Parse a PML prompt against the added schemas."""
