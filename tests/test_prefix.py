@@ -1,0 +1,247 @@
+"""Exact automatic prefix caching on tiny random models (attention, recurrent and hybrid)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pckernels.errors import UnsupportedModelError
+from pckernels.prefix import PrefixCache, encode_prompt
+from pckernels.prefix.blocks import BlockStore, CachedEntry, block_keys, prompt_end_key
+from pckernels.prefix.states import CacheStates
+from pckernels.prefix.testing import tiny_model, tiny_tokenizer
+
+BLOCK = 16
+NEW_TOKENS = 5
+
+TOPICS = [
+    "tide tables for a small harbour", "the history of the printing press", "how bees choose a new nest",
+    "a recipe for sourdough bread", "the rules of chess endgames", "maintenance of a bicycle chain",
+    "the water cycle in deserts", "why the sky is blue", "a guide to pruning apple trees",
+    "the basics of double-entry bookkeeping",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def system_prompt(index: int) -> str:
+    return f"Doc {index}. You answer questions about {TOPICS[index]}. Be brief, be exact, cite the text."
+
+
+def assert_same(reference, reused) -> None:
+    """Same tokens and bitwise-equal first logits; the reference must not have reused anything."""
+    assert reference.cached_tokens == 0 and reference.mode == "uncached"
+    assert reused.mode == "prefix"
+    assert reused.prompt_token_ids == reference.prompt_token_ids
+    assert reused.token_ids == reference.token_ids
+    assert torch.equal(reused.first_logits, reference.first_logits)
+
+
+def run_pair(cache: PrefixCache, prompt, **kwargs):
+    reference = cache.complete(prompt, max_new_tokens=NEW_TOKENS, reuse=False, **kwargs)
+    reused = cache.complete(prompt, max_new_tokens=NEW_TOKENS, **kwargs)
+    assert_same(reference, reused)
+    return reference, reused
+
+
+def run_suite(cache: PrefixCache, indices) -> int:
+    """First pass, repeat, middle edit, second and third chat turn per prompt; returns the cases run."""
+    cases = 0
+    for index in indices:
+        system = system_prompt(index)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {index}?"}]
+        _, first = run_pair(cache, messages)
+        assert first.cached_tokens == 0
+        _, repeat = run_pair(cache, messages)
+        assert repeat.cached_tokens == len(repeat.prompt_token_ids)
+
+        middle = len(system) // 2
+        edited_system = system[:middle] + ("#" if system[middle] != "#" else "%") + system[middle + 1:]
+        edited = [{"role": "system", "content": edited_system}, messages[1]]
+        _, edit = run_pair(cache, edited)
+        first_difference = next(i for i, (a, b) in enumerate(zip(first.prompt_token_ids, edit.prompt_token_ids))
+                                if a != b)
+        assert edit.cached_tokens == first_difference // BLOCK * BLOCK > 0
+
+        turn = messages
+        previous = first
+        for turn_number in (2, 3):
+            turn = turn + [{"role": "assistant", "content": f"Answer {turn_number - 1}."},
+                           {"role": "user", "content": f"Follow-up {turn_number}?"}]
+            _, reused = run_pair(cache, turn)
+            assert reused.cached_tokens == len(previous.prompt_token_ids) // BLOCK * BLOCK
+            previous = reused
+        cases += 5
+    return cases
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "lfm2"])
+def test_exact_suite_ten_prompts(tokenizer, model_type):
+    cache = PrefixCache(tiny_model(model_type, len(tokenizer)), tokenizer, block_size=BLOCK)
+    assert cache.reuse_supported, cache.refusal
+    assert run_suite(cache, range(10)) == 50
+    stats = cache.stats()
+    assert stats["queries"] == 50 and stats["hits"] == 40 and stats["full_hits"] == 10
+
+
+@pytest.mark.parametrize("model_type", ["mamba2", "falcon_h1"])
+def test_exact_suite_more_families(tokenizer, model_type):
+    cache = PrefixCache(tiny_model(model_type, len(tokenizer)), tokenizer, block_size=BLOCK)
+    assert cache.reuse_supported, cache.refusal
+    assert run_suite(cache, range(3)) == 15
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "bamba", "granitemoehybrid", "nemotron_h"])
+def test_exact_repeat_and_edit_other_hybrids(tokenizer, model_type):
+    cache = PrefixCache(tiny_model(model_type, len(tokenizer)), tokenizer, block_size=BLOCK)
+    assert cache.reuse_supported, cache.refusal
+    text = system_prompt(0) + " Question?"
+    run_pair(cache, text)
+    _, repeat = run_pair(cache, text)
+    _, edit = run_pair(cache, text[:60] + "!" + text[61:])
+    assert repeat.cached_tokens == len(repeat.prompt_token_ids) and edit.cached_tokens == 48
+
+
+def test_sampling_with_seed_is_identical(tokenizer):
+    cache = PrefixCache(tiny_model("qwen3_next", len(tokenizer)), tokenizer, block_size=BLOCK)
+    text = system_prompt(4) + " Tell me more."
+    for _ in range(2):
+        run_pair(cache, text, temperature=0.9, top_p=0.9, seed=7)
+
+
+def test_chunk_larger_than_block_resumes_on_chunk_boundaries(tokenizer):
+    cache = PrefixCache(tiny_model("lfm2", len(tokenizer)), tokenizer, block_size=8, chunk_size=24)
+    text = system_prompt(2)
+    run_pair(cache, text)
+    _, edit = run_pair(cache, text[:70] + "?" + text[71:])
+    assert edit.cached_tokens == 48
+    _, longer = run_pair(cache, text + " More.")
+    assert longer.cached_tokens == len(text) // 24 * 24
+
+
+def test_eviction_under_small_budget_stays_exact(tokenizer):
+    model = tiny_model("qwen3_next", len(tokenizer))
+    unlimited = PrefixCache(model, tokenizer, block_size=BLOCK)
+    unlimited.complete(system_prompt(0), max_new_tokens=1)
+    budget = unlimited.stats()["bytes"] * 2
+    cache = PrefixCache(model, tokenizer, block_size=BLOCK, budget_bytes=budget)
+    results = []
+    for round_number in range(2):
+        for index in range(4):
+            _, reused = run_pair(cache, system_prompt(index))
+            results.append(reused)
+            assert cache.stats()["bytes"] <= budget
+    stats = cache.stats()
+    assert stats["evictions"] > 0 and stats["evicted_tokens"] > 0
+    assert stats["queries"] == len(results)
+    assert stats["hit_tokens"] == sum(r.cached_tokens for r in results)
+    assert stats["computed_tokens"] == sum(r.computed_tokens for r in results)
+    assert stats["hits"] == sum(r.cached_tokens > 0 for r in results)
+    assert stats["full_hits"] < len(results) - 4  # the budget really dropped repeats
+
+
+def test_stats_count_only_reused_tokens(tokenizer):
+    cache = PrefixCache(tiny_model("llama", len(tokenizer)), tokenizer, block_size=BLOCK)
+    short = "tiny"  # shorter than a block: only an exact repeat can reuse it
+    cache.complete(short, max_new_tokens=1)
+    cache.complete(short + "!", max_new_tokens=1)
+    repeat = cache.complete(short, max_new_tokens=1)
+    assert repeat.cached_tokens == 4
+    stats = cache.stats()
+    assert (stats["queries"], stats["hits"], stats["hit_tokens"], stats["computed_tokens"]) == (3, 1, 4, 9)
+    cache.complete(short, max_new_tokens=1, reuse=False)
+    assert cache.stats()["queries"] == 3
+
+
+def test_prompt_of_exact_block_multiple_recomputes_last_block(tokenizer):
+    cache = PrefixCache(tiny_model("lfm2", len(tokenizer)), tokenizer, block_size=BLOCK)
+    ids = list(range(40, 40 + 3 * BLOCK))
+    run_pair(cache, ids)
+    cache.clear()
+    run_pair(cache, ids + [7] * BLOCK)
+    _, again = run_pair(cache, ids)  # blocks stored, prompt end not: resume before the last block
+    assert again.cached_tokens == 2 * BLOCK
+
+
+def test_refuses_sliding_window_layers(tokenizer, caplog):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("mistral", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                  sliding_window=8)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with caplog.at_level("WARNING"):
+        cache = PrefixCache(model, tokenizer, block_size=BLOCK)
+    assert not cache.reuse_supported and "SlidingWindow" in cache.refusal
+    assert "exact prefix reuse is not available" in caplog.text
+    first = cache.complete("hello there", max_new_tokens=3)
+    again = cache.complete("hello there", max_new_tokens=3)
+    assert again.mode == "uncached" and again.cached_tokens == 0 and again.token_ids == first.token_ids
+    with pytest.raises(UnsupportedModelError, match="SlidingWindow"):
+        PrefixCache(model, tokenizer, block_size=BLOCK, strict=True)
+
+
+def test_self_check_refuses_inexact_restore(tokenizer, monkeypatch):
+    restore = CacheStates.restore
+
+    def perturbed(self, cache, kv_pieces, states):
+        restore(self, cache, kv_pieces, states)
+        for layer in cache.layers:
+            if getattr(layer, "recurrent_states", None) and layer.recurrent_states[0] is not None:
+                layer.recurrent_states[0].mul_(1 + 1e-6)
+
+    monkeypatch.setattr(CacheStates, "restore", perturbed)
+    cache = PrefixCache(tiny_model("qwen3_next", len(tokenizer)), tokenizer, block_size=BLOCK)
+    assert not cache.reuse_supported and "bitwise" in cache.refusal
+
+
+def test_encode_prompt_forms(tokenizer):
+    ids = encode_prompt(tokenizer, "abc")
+    assert ids == tokenizer("abc")["input_ids"]
+    assert encode_prompt(tokenizer, ids) == ids
+    assert encode_prompt(tokenizer, torch.tensor([ids])) == ids
+    chat = encode_prompt(tokenizer, [{"role": "user", "content": "hi"}])
+    assert tokenizer.decode(chat) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError):
+        encode_prompt(tokenizer, "")
+    with pytest.raises(TypeError):
+        encode_prompt(tokenizer, [1.5])
+
+
+def test_block_keys_chain_whole_prefix():
+    root = b"root"
+    a = block_keys(list(range(40)), 8, root)
+    b = block_keys(list(range(20)) + [99] + list(range(21, 40)), 8, root)
+    assert len(a) == 5 and a[:2] == b[:2] and all(x != y for x, y in zip(a[2:], b[2:]))
+    assert block_keys([1, 2, 3, 4], 2, root)[1] != block_keys([9, 9, 3, 4], 2, root)[1]
+    assert prompt_end_key(a[-1], []) != prompt_end_key(a[-1], [1]) != a[-1]
+
+
+def _entry(key: bytes, parent, size: int = 100) -> CachedEntry:
+    return CachedEntry(key=key, parent=parent, start=0, num_tokens=1, kv=[(torch.zeros(size // 4),)])
+
+
+def test_block_store_refcounts_and_lru():
+    store = BlockStore(budget_bytes=300)
+    a = store.insert(_entry(b"a", None))
+    b = store.insert(_entry(b"b", a))
+    store.release(a)
+    assert a.refcount == 1  # held by its child only
+    store.release(b)
+    c = store.insert(_entry(b"c", None))
+    store.release(c)
+    assert store.bytes == 300 and len(store) == 3
+    store.get(b"a")  # a is recent, but still held by b: b is the oldest evictable leaf
+    d = store.insert(_entry(b"d", None))
+    assert b"b" not in store and b"a" in store and store.evictions == 1
+    store.acquire(d)
+    store.release(d)
+    store.release(d)
+    assert store.bytes <= 300
+    with pytest.raises(RuntimeError):
+        store.release(d)
+    store.clear()
+    assert len(store) == 0 and store.bytes == 0
