@@ -38,6 +38,9 @@ SCHEMA_ERRORS = [
      "</module></schema>", "duplicate name 'a' in module 'm'", 1, 60),
     ('<schema name="s"><union name="a"><module name="x">x</module></union>'
      '<module name="a">y</module></schema>', "duplicate name 'a': a union of that name", 1, 69),
+    ('<schema name="s"><module name="m"><scaffold name="a"><module name="x">x</module>'
+     '</scaffold></module><module name="a">y</module></schema>',
+     "duplicate name 'a': a scaffold of that name", 1, 101),
     ('<schema name="s"><union name="u"><module name="x">x</module></union>'
      '<union name="u"><module name="y">y</module></union></schema>', "duplicate name 'u'", 1, 69),
     ('<schema name="s"><module name="m">x<param name="p"/></module></schema>',

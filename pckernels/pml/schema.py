@@ -178,10 +178,13 @@ class _SchemaReader:
                 f"in module {scope.name!r}"
             raise self.error(f"duplicate name {name!r} {where}: module and parameter names "
                              "must be unique within their module", element)
-        if scope.name == ROOT and name in self.top_names:
-            raise self.error(f"duplicate name {name!r}: a {self.top_names[name]} of that name "
-                             "already exists; top-level modules, unions and scaffolds need "
-                             "distinct names", element)
+        if scope.name == ROOT:
+            kind = self.top_names.get(name) or ("union" if name in self.unions else None) or \
+                ("scaffold" if name in self.scaffolds else None)
+            if kind is not None:
+                raise self.error(f"duplicate name {name!r}: a {kind} of that name already "
+                                 "exists; top-level modules, unions and scaffolds need distinct "
+                                 "names", element)
         scope.local_names.add(name)
         if scope.name == ROOT:
             self.top_names[name] = what
