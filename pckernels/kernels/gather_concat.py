@@ -133,7 +133,7 @@ def gather_concat_triton(
     meta = _meta_table(blocks, out.device)
     ob = as_bits(out)
     block_d = next_pow2(D)
-    block_r = min(next_pow2(max_rows), max(1, 4096 // block_d))
+    block_r = min(next_pow2(max_rows), max(1, 8192 // block_d))
     grid = (triton.cdiv(max_rows, block_r), table.shape[0], L * 2 * H)
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"gather grid {grid} exceeds CUDA limits (table entries or L*2*H > 65535)")
