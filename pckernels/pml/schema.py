@@ -275,7 +275,7 @@ class _SchemaReader:
                              "both", element)
         raw = values.get("len", values.get("length"))
         if raw is None:
-            raise self.error(f"<{tag} name={name!r}> needs len=\"N\": the number of positions "
+            raise self.error(f"<{tag} name=\"{name}\"> needs len=\"N\": the number of positions "
                              "reserved for its argument", element)
         raw = raw.strip(XML_WHITESPACE)
         if not raw.isascii() or not raw.isdigit() or int(raw) < 1:
