@@ -11,7 +11,8 @@ from pml_tokenizers import byte_tokenizer
 
 TOK = byte_tokenizer()
 LIMITS = Limits(max_input_bytes=20_000, max_depth=12, max_positions=5_000)
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=150, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow])
 
 SEED_SCHEMA = """<schema name="s">
   <system>You are <!-- c --> kind.</system>

@@ -21,7 +21,7 @@ ROLE_TAGS = ("system", "user", "assistant")
 
 def attributes(source: Source, element: etree._Element, allowed: tuple[str, ...],
                required: tuple[str, ...] = ()) -> dict[str, str]:
-    """The element's attributes, refusing unknown and missing ones (``xml:space`` is always allowed)."""
+    """The element's attributes, refusing unknown and missing ones (``xml:space`` is allowed)."""
     values: dict[str, str] = {}
     for key, value in element.attrib.items():
         if key == XML_SPACE:

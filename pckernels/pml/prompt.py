@@ -16,13 +16,10 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from lxml import etree
-
 from pckernels.errors import PMLError
 from pckernels.pml.document import Limits, Source, TextPart, is_valid_name, local_tag, read_document
 from pckernels.pml.elements import (
     ROLE_TAGS,
-    XML_WHITESPACE,
     attributes,
     is_empty,
     space_mode,
@@ -141,7 +138,8 @@ class _PromptReader:
         local = [c.rsplit("/", 1)[-1] for c in modules[scope].children] if scope in modules else []
         qualified = [m for m in modules if m != ROOT]
         message = f"unknown module {name!r} in {where}"
-        nested = [m for m in qualified if m.rsplit("/", 1)[-1] == name and m != _qualify(scope, name)]
+        nested = [m for m in qualified
+                  if m.rsplit("/", 1)[-1] == name and m != _qualify(scope, name)]
         if nested:
             target = nested[0]
             message += (f"; {target!r} is nested: import it as <module name=\"{target}\"/> or "
@@ -405,10 +403,12 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
                                f"union {union!r}; a prompt may import at most one of its "
                                "members", second)
 
-    imports = [node for node in _flatten(reader.stream)]
+    imports = list(_flatten(reader.stream))
     runs = [item for item in reader.stream if isinstance(item, _TextRun)]
-    argument_items = [(node, key, value) for node in imports for key, value in node.arguments.items()]
-    encoded = encode_batch(schema.tokenizer, [r.text for r in runs] + [v for _, _, v in argument_items])
+    argument_items = [(node, key, value)
+                      for node in imports for key, value in node.arguments.items()]
+    encoded = encode_batch(schema.tokenizer,
+                           [r.text for r in runs] + [v for _, _, v in argument_items])
     for run, ids in zip(runs, encoded):
         run.ids = ids
 

@@ -5,8 +5,8 @@ sentinel as the message content and splitting the rendered text around the senti
 render is diffed against the same conversation without the message, so text the template
 adds for other reasons (a default system message when the first message is not a system
 message, a BOS string the template writes before any message) stays out of the affixes;
-the BOS belongs to the start of the schema (see ``RoleFormat.conversation_start``). The *generation prompt*
-(an empty ``<assistant/>``) is the text ``add_generation_prompt=True`` appends.
+that BOS belongs to the start of the schema (see ``RoleFormat.conversation_start``). The
+*generation prompt* (an empty ``<assistant/>``) is what ``add_generation_prompt=True`` appends.
 
 A tokenizer without a chat template gets the plain fallback ``PLAIN_FORMAT``:
 ``"System: {content}\\n"``, ``"User: {content}\\n"``, ``"Assistant: {content}\\n"`` and the

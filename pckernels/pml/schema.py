@@ -11,7 +11,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from lxml import etree
 
@@ -88,9 +88,6 @@ class _ScaffoldDecl:
     name: str
     layout_parent: str | None
     members: list[_ModuleDecl] = field(default_factory=list)
-
-
-_Item = Union[_Text, _Tokens, _Slot, _ModuleDecl, _UnionDecl, _ScaffoldDecl]
 
 
 def _is_param(part: Any) -> bool:

@@ -15,7 +15,8 @@ from pckernels.errors import PMLError
 
 log = logging.getLogger(__name__)
 
-_FINGERPRINTS: "weakref.WeakKeyDictionary[Any, tuple[str | None, str]]" = weakref.WeakKeyDictionary()
+_FINGERPRINTS: "weakref.WeakKeyDictionary[Any, tuple[str | None, str]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def encode_batch(tokenizer: Any, texts: Sequence[str]) -> list[tuple[int, ...]]:
