@@ -330,3 +330,20 @@ def test_cdata_is_text():
 
 def test_simple_template_used_by_default():
     assert TOK.chat_template == SIMPLE_TEMPLATE
+
+
+STRICT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+    "{% endif %}[{{ m['role'] }}]{{ m['content'] }}[/]{% endfor %}"
+)
+"""Refuses system messages and ignores add_generation_prompt."""
+
+
+def test_template_that_refuses_a_role():
+    tok = byte_tokenizer(STRICT_TEMPLATE)
+    s = schema("<user>U</user><assistant>A</assistant><assistant/>", tok)
+    assert own_text(s, ROOT, tok) == "[user]U[/][assistant]A[/][assistant]"
+    with pytest.raises(PMLError, match="<system> cannot be expanded: the tokenizer's chat "
+                                       "template cannot render a 'system' message") as info:
+        schema("x\n<system>S</system>", tok)
+    assert (info.value.line, info.value.column) == (2, 1)
