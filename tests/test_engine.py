@@ -153,7 +153,7 @@ def test_same_schema_is_not_reencoded(cache, schema):
 
 def test_blocks_keep_real_kv_heads(cache, schema):
     cfg = cache.model.config
-    for key in list(cache.store._blocks):
+    for key in cache.store.keys():
         block = cache.store.get(key)
         assert block.shape[:3] == (cfg.num_hidden_layers, 2, cfg.num_key_value_heads)
         assert block.dtype == torch.float32

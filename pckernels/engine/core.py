@@ -18,11 +18,12 @@ from pckernels.engine.plan import CachedPlan, module_scope, plan_cached, plan_re
 from pckernels import ops
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
-from pckernels.engine.store import BlockKey, MemoryStore
 from pckernels.errors import PMLError
 from pckernels.integration.adapters import AttentionSpec, ModelAdapter, adapter_for
 from pckernels.pml import parse_prompt, parse_schema
 from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
+from pckernels.pml.tokens import fingerprint
+from pckernels.store import BlockKey, BlockKeys, TieredStore, default_store_dir
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,17 @@ class PromptCache:
     by copying the imported modules' KV into a reusable buffer and computing only the new
     tokens. Modes: ``cached`` (the product), ``reference`` (the exactness oracle: one full forward
     with the module-scoped mask) and ``baseline`` (plain causal prefill, no reuse).
+
+    Encoded blocks live in a ``TieredStore`` (``docs/store.md``): ``device_budget`` and
+    ``host_budget`` bytes (or ``"2GiB"``-style strings; ``None``: a quarter of the GPU or 1 GiB on
+    CPU, and 4 GiB), and a disk tier of ``disk_budget`` (default 20 GiB) in ``store_dir`` —
+    none unless given here; ``from_pretrained`` turns it on by default.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, name: str | None = None) -> None:
+                 dtype: torch.dtype | None = None, name: str | None = None,
+                 store_dir: str | os.PathLike | None = None, device_budget: int | str | None = None,
+                 host_budget: int | str | None = None, disk_budget: int | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = dtype or next(model.parameters()).dtype
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -74,7 +82,9 @@ class PromptCache:
         self.adapter: ModelAdapter = adapter_for(self.model)
         self.layout = self.adapter.kv_layout()
         self.model_id = model_fingerprint(self.model, self.dtype)
-        self.store = MemoryStore()
+        self.store = TieredStore(self.device, device_budget=device_budget, host_budget=host_budget,
+                                 disk_dir=store_dir, disk_budget=disk_budget)
+        self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.device.type, self.name)
         self.schemas: dict[str, Schema] = {}
         self._block_positions: dict[BlockKey, torch.Tensor] = {}
         self.buffer = AssemblyBuffer(self.layout, dtype=self.dtype, device=self.device)
@@ -89,9 +99,14 @@ class PromptCache:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2", *, device: str | torch.device | None = None,
-                        dtype: torch.dtype | str | None = None) -> "PromptCache":
+                        dtype: torch.dtype | str | None = None, store_dir: str | os.PathLike | bool | None = None,
+                        device_budget: int | str | None = None, host_budget: int | str | None = None,
+                        disk_budget: int | str | None = None) -> "PromptCache":
         """Load a model: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct; otherwise a HF model
-        id or local path (loaded offline from the local HF cache when no network is available)."""
+        id or local path (loaded offline from the local HF cache when no network is available).
+
+        ``store_dir``: the disk tier's directory; ``None`` (or ``True``) is ``default_store_dir()``
+        (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         dev = torch.device(device) if device is not None else default_device()
@@ -109,7 +124,10 @@ class PromptCache:
             model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dt)
             name = str(name_or_path)
         adapter_for(model)
-        return cls(model, tokenizer, device=dev, dtype=dt, name=name)
+        if store_dir is None or store_dir is True:
+            store_dir = default_store_dir()
+        return cls(model, tokenizer, device=dev, dtype=dt, name=name, store_dir=store_dir or None,
+                   device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
 
     def add_schema(self, text_or_path: str | os.PathLike, *, progress: bool = False) -> Schema:
         """Parse a schema (PML text or a file path) and encode all of its modules and scaffolds.
@@ -128,7 +146,12 @@ class PromptCache:
         return schema
 
     def _block_key(self, schema: Schema, module: str, scaffold: str = "") -> BlockKey:
-        return BlockKey(self.model_id, schema.digest, module, scaffold)
+        return self._block_keys(schema, module, scaffold)
+
+    def stats(self) -> dict:
+        """The block store's counters: hits, entries, bytes, budget and evictions per tier (device,
+        host, disk), misses, disk loads/writes/discards with their seconds, encodes and encode time."""
+        return self.store.stats()
 
     @torch.inference_mode()
     def _encode_schema(self, schema: Schema, *, progress: bool) -> None:
@@ -149,9 +172,9 @@ class PromptCache:
         log.info("encoded %d blocks (%d tokens) of schema %r in %.2f s", len(todo), tokens, schema.name,
                  time.perf_counter() - t0)
 
-    def _encode_unit(self, schema: Schema, scaffold: str, members: tuple[str, ...]) -> None:
+    def _encode_unit(self, schema: Schema, scaffold: str, members: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """Encode ``members`` (one module, or a scaffold's members jointly) over their ancestors'
-        blocks, attending causally by position; store one block per member."""
+        blocks, attending causally by position; store and return one block per member."""
         modules = schema.modules
         context = [a for a in reversed(modules[members[0]].ancestors(modules))]
         own = sorted(((p, t, m) for m in members for p, t in zip(modules[m].position_ids, modules[m].token_ids)))
@@ -160,6 +183,7 @@ class PromptCache:
         total = ctx_rows + len(own)
         buf.ensure_capacity(total)
         self._place_blocks(buf, schema, [(a, "") for a in context], start_row=0)
+        t0 = time.perf_counter()
         if own:
             positions = torch.tensor([p for p, _, _ in own], dtype=torch.long, device=self.device)
             buf.row_pos[ctx_rows:total] = positions
@@ -169,37 +193,65 @@ class PromptCache:
             self.adapter.forward(ids, positions[None], buf.attention(positions, total), self._encode_cache)
             buf.invalidate_rows(ctx_rows, total)
         offset = ctx_rows
+        encoded = {}
         for member in members:
             n = len(modules[member].token_ids)
             rows = [offset + i for i, (_, _, m) in enumerate(own) if m == member]
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
             block = buf.data.index_select(3, index) if n else buf.data[:, :, :, :0].clone()
-            key = self._block_key(schema, member, scaffold)
-            self.store.put(key, block)
-            self._block_positions[key] = torch.tensor(modules[member].position_ids, dtype=torch.long,
-                                                      device=self.device)
+            self.store.put(self._block_key(schema, member, scaffold), block)
+            encoded[member] = block
+        _sync(self.device)
+        self.store.record_encode(len(members), time.perf_counter() - t0)
+        return encoded
 
     def _place_blocks(self, buf: AssemblyBuffer, schema: Schema, blocks: list[tuple[str, str]],
                       start_row: int) -> None:
         """Put ``(module, scaffold)`` blocks in consecutive rows from ``start_row`` with one
-        gather-concat over the row ranges that do not already hold them; set their positions."""
-        sources: list[torch.Tensor] = []
-        table: list[tuple[int, int, int, int]] = []
-        row = start_row
+        gather-concat over the row ranges that do not already hold them; set their positions.
+
+        The blocks those rows lack are fetched from the store first (any that no tier holds is
+        re-encoded, which uses the encode buffer and may displace rows there, hence the loop);
+        the union siblings of the placed modules are then prefetched."""
+        placements, row = [], start_row
         for module, scaffold in blocks:
             key = self._block_key(schema, module, scaffold)
-            block = self.store.get(key)
-            n = block.shape[3]
-            placement = Placement(key, 0, row, n)
-            gaps = buf.missing(placement) if n else []
+            placements.append(Placement(key, 0, row, key.tokens))
+            row += key.tokens
+        fetched: dict[BlockKey, torch.Tensor] = {}
+        while lacking := [(b, p.key) for b, p in zip(blocks, placements)
+                          if p.n_rows and p.key not in fetched and buf.missing(p)]:
+            for (module, scaffold), key in lacking:
+                fetched[key] = self._fetch_block(schema, module, scaffold)
+        sources: list[torch.Tensor] = []
+        table: list[tuple[int, int, int, int]] = []
+        for (module, _), placement in zip(blocks, placements):
+            gaps = buf.missing(placement) if placement.n_rows else []
             if gaps:
-                sources.append(block)
+                sources.append(fetched[placement.key])
                 table.extend((len(sources) - 1, g.src_row, g.dst_row, g.n_rows) for g in gaps)
-                buf.row_pos[row:row + n] = self._block_positions[key]
+                buf.row_pos[placement.dst_row:placement.dst_row + placement.n_rows] = self._positions(
+                    schema, module, placement.key)
                 buf.mark_resident(placement)
-            row += n
+        self.store.prefetch(self._block_key(schema, sibling) for sibling in _union_siblings(schema, blocks))
         if table:
             ops.gather_concat(buf.data, sources, torch.tensor(table, dtype=torch.int64))
+
+    def _fetch_block(self, schema: Schema, module: str, scaffold: str) -> torch.Tensor:
+        """The block ``[L, 2, H, n, D]`` from the store, re-encoded (its whole scaffold) if no tier holds it."""
+        block = self.store.get(self._block_key(schema, module, scaffold))
+        if block is None:
+            members = schema.scaffolds[scaffold].members if scaffold else (module,)
+            block = self._encode_unit(schema, scaffold, members)[module]
+        return block
+
+    def _positions(self, schema: Schema, module: str, key: BlockKey) -> torch.Tensor:
+        """Schema positions ``[n]`` of a block's rows (on the device, made once per key)."""
+        positions = self._block_positions.get(key)
+        if positions is None:
+            positions = torch.tensor(schema.modules[module].position_ids, dtype=torch.long, device=self.device)
+            self._block_positions[key] = positions
+        return positions
 
     def resolve(self, prompt: str | ResolvedPrompt) -> ResolvedPrompt:
         """Parse a PML prompt against the added schemas."""
@@ -385,6 +437,13 @@ def _read_source(text_or_path: str | os.PathLike) -> tuple[str, Path | None]:
         except OSError as exc:
             raise PMLError(f"cannot read schema file {str(path)!r}: {exc.strerror or exc}") from None
     return str(text_or_path), None
+
+
+def _union_siblings(schema: Schema, blocks: list[tuple[str, str]]) -> list[str]:
+    """Members of the unions of ``blocks``' modules that are not among them (likely next)."""
+    used = {module for module, _ in blocks}
+    unions = {schema.modules[m].union for m in used} - {None}
+    return [m for u in sorted(unions) for m in schema.unions.get(u, ()) if m not in used]
 
 
 def _check_scaffolds(schema: Schema) -> None:

@@ -1,0 +1,26 @@
+"""The module store: encoded blocks kept on the device, in (pinned) host memory and on disk.
+
+See ``docs/store.md``. ``TieredStore`` is what ``PromptCache`` uses; ``BlockKeys`` makes its
+content-addressed keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pckernels.store.disk import BlockFileError, DiskTier, list_blocks
+from pckernels.store.keys import FORMAT_VERSION, BlockKey, BlockKeys
+from pckernels.store.policy import CostModel, GreedyDualSizePolicy, LRUPolicy
+from pckernels.store.tiered import TieredStore, parse_size
+
+
+def default_store_dir() -> Path:
+    """Where ``PromptCache.from_pretrained`` keeps block files: ``<cache_root>/kv``
+    (``$PROMPTCACHE_CACHE_DIR`` or the XDG cache directory)."""
+    from pckernels.integration.embedded import cache_root
+
+    return cache_root() / "kv"
+
+
+__all__ = ["BlockFileError", "BlockKey", "BlockKeys", "CostModel", "DiskTier", "FORMAT_VERSION",
+           "GreedyDualSizePolicy", "LRUPolicy", "TieredStore", "default_store_dir", "list_blocks", "parse_size"]

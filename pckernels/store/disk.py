@@ -1,0 +1,316 @@
+"""The disk tier: one safetensors file per block, named by the key's digest.
+
+Layout: ``<root>/v<FORMAT_VERSION>/<digest[:2]>/<digest>.safetensors`` holding one tensor
+``"kv"`` ``[L, 2, H, n, D]`` and string metadata: ``format``, ``key`` (the full digest),
+``sha256`` (over the tensor's bytes) and descriptive fields (model, schema, module, scaffold,
+tokens). There is no index: a file's name is its key, so processes sharing the directory need no
+lock. Files are written to a temporary name in the same directory and renamed into place
+(``os.replace`` is atomic), so a reader sees a whole file or none. A file that is truncated,
+fails its checksum, or belongs to another key/format is logged, deleted and reported as a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pckernels.store.keys import FORMAT_VERSION, BlockKey
+from pckernels.store.policy import CostModel, make_policy
+
+log = logging.getLogger(__name__)
+
+FILE_FORMAT = f"promptcache-kv/{FORMAT_VERSION}"
+SUFFIX = ".safetensors"
+TEMP_PREFIX = ".tmp-"
+STALE_TEMP_S = 3600.0
+MAX_HEADER = 1 << 20
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class BlockFileError(Exception):
+    """A block file that must not be used (truncated, corrupted, foreign)."""
+
+
+def tensor_bytes(tensor: torch.Tensor):
+    """The bytes of a contiguous CPU tensor as a writable numpy ``uint8`` view (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor_bytes(tensor)).hexdigest()
+
+
+def write_block(path: Path, key: BlockKey, block: torch.Tensor) -> int:
+    """Write ``block`` (CPU) atomically to ``path``; returns the file size in bytes."""
+    block = block.contiguous()
+    metadata = {"format": FILE_FORMAT, "key": key.digest, "sha256": checksum(block), **key.describe()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=SUFFIX, dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({"kv": block}, tmp, metadata=metadata)
+        size = os.path.getsize(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return size
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """``(header, data_start)`` of a safetensors file; raises ``BlockFileError`` if unreadable."""
+    with open(path, "rb") as f:
+        return _read_header(f, os.fstat(f.fileno()).st_size)
+
+
+def _read_header(f, file_size: int) -> tuple[dict, int]:
+    head = f.read(8)
+    if len(head) < 8:
+        raise BlockFileError("truncated header")
+    n = int.from_bytes(head, "little")
+    if n > min(MAX_HEADER, file_size - 8):
+        raise BlockFileError("truncated or corrupt header")
+    try:
+        header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BlockFileError(f"corrupt header ({exc})") from None
+    if not isinstance(header, dict):
+        raise BlockFileError("corrupt header")
+    return header, 8 + n
+
+
+def read_block(path: Path, digest: str, *, pin: bool = False) -> torch.Tensor:
+    """Read and verify the block of key ``digest`` into CPU memory (pinned when ``pin``).
+
+    Raises ``FileNotFoundError`` when absent and ``BlockFileError`` when the file must not be used.
+    """
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        header, data_start = _read_header(f, file_size)
+        meta = header.get("__metadata__") or {}
+        if meta.get("format") != FILE_FORMAT:
+            raise BlockFileError(f"foreign file (format {meta.get('format')!r})")
+        if meta.get("key") != digest:
+            raise BlockFileError(f"foreign file (holds key {str(meta.get('key'))[:16]}…)")
+        try:
+            info = header["kv"]
+            dtype = _DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BlockFileError(f"corrupt header ({exc!r})") from None
+        tensor = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        view = tensor_bytes(tensor)
+        if end - begin != view.nbytes:
+            raise BlockFileError("corrupt header (shape and offsets disagree)")
+        if data_start + end != file_size:
+            raise BlockFileError(f"truncated ({file_size} bytes, header says {data_start + end})")
+        f.seek(data_start + begin)
+        if f.readinto(memoryview(view)) != view.nbytes:
+            raise BlockFileError("truncated data")
+    if hashlib.sha256(view).hexdigest() != meta.get("sha256"):
+        raise BlockFileError("checksum mismatch")
+    return tensor
+
+
+@dataclass
+class DiskStats:
+    hits: int = 0
+    loads: int = 0
+    load_s: float = 0.0
+    writes: int = 0
+    write_s: float = 0.0
+    evictions: int = 0
+    discarded: int = 0
+    """Files found unusable (truncated, corrupt, foreign) and deleted."""
+    skipped: int = 0
+    """Blocks larger than the whole disk budget, not written."""
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+class DiskTier:
+    """Block files under ``root`` within ``budget`` bytes (as seen by this process).
+
+    The budget counts the files this process knows: those present at start-up (scanned, oldest
+    modification time evicted first) plus those it wrote or found since. Loading a file bumps its
+    modification time so that other processes' scans see it as recently used.
+    """
+
+    def __init__(self, root: str | os.PathLike, budget: int, *, policy: str = "gds",
+                 cost: CostModel = CostModel(20e-3, 50e6)) -> None:
+        self.root = Path(root)
+        self.dir = self.root / f"v{FORMAT_VERSION}"
+        self.budget = int(budget)
+        self._policy_args = (policy, cost)
+        self.policy = make_policy(policy, cost)
+        self.stats = DiskStats()
+        self._sizes: dict[str, int] = {}
+        self.nbytes = 0
+        self._scan()
+
+    def path(self, digest: str) -> Path:
+        return self.dir / digest[:2] / f"{digest}{SUFFIX}"
+
+    def _scan(self) -> None:
+        found = []
+        now = time.time()
+        for path in self.dir.glob(f"*/*{SUFFIX}") if self.dir.is_dir() else ():
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            if path.name.startswith(TEMP_PREFIX):
+                if now - st.st_mtime > STALE_TEMP_S:
+                    path.unlink(missing_ok=True)
+                continue
+            found.append((st.st_mtime, path.name[:-len(SUFFIX)], st.st_size))
+        for _, digest, size in sorted(found):
+            self._track(digest, size)
+
+    def _track(self, digest: str, size: int) -> None:
+        self._sizes[digest] = size
+        self.nbytes += size
+        self.policy.admit(digest, size)
+
+    def _forget(self, digest: str) -> None:
+        size = self._sizes.pop(digest, None)
+        if size is not None:
+            self.nbytes -= size
+            self.policy.remove(digest)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        if key.digest in self._sizes:
+            return True
+        try:
+            size = self.path(key.digest).stat().st_size
+        except FileNotFoundError:
+            return False
+        self._track(key.digest, size)
+        self._evict_to(self.budget, keep=key.digest)
+        return key.digest in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def size_of(self, key: BlockKey) -> int:
+        return self._sizes.get(key.digest, 0)
+
+    def read_raw(self, key: BlockKey, pin: bool) -> tuple[torch.Tensor | Exception, float]:
+        """Read without touching this tier's bookkeeping (safe from a loader thread):
+        ``(block or the exception, seconds)``; hand the result to ``accept``."""
+        t0 = time.perf_counter()
+        try:
+            outcome: torch.Tensor | Exception = read_block(self.path(key.digest), key.digest, pin=pin)
+        except (OSError, BlockFileError) as exc:
+            outcome = exc
+        return outcome, time.perf_counter() - t0
+
+    def accept(self, key: BlockKey, result: tuple[torch.Tensor | Exception, float]) -> torch.Tensor | None:
+        """Book a ``read_raw`` result: the block, or ``None`` (absent or discarded)."""
+        outcome, seconds = result
+        if isinstance(outcome, torch.Tensor):
+            self.stats.loads += 1
+            self.stats.load_s += seconds
+            if key.digest not in self._sizes:
+                self._track(key.digest, os.path.getsize(self.path(key.digest)))
+            self.policy.touch(key.digest)
+            try:
+                os.utime(self.path(key.digest))
+            except OSError:
+                pass
+            return outcome
+        if isinstance(outcome, BlockFileError):
+            self.discard(key, str(outcome))
+        else:
+            self._forget(key.digest)
+            if not isinstance(outcome, FileNotFoundError):
+                log.warning("cannot read block %s (%s): %s", key.label, key.digest[:16], outcome)
+        return None
+
+    def read(self, key: BlockKey, *, pin: bool = False) -> torch.Tensor | None:
+        """The verified block, or ``None`` when absent or unusable (then it is deleted)."""
+        return self.accept(key, self.read_raw(key, pin))
+
+    def discard(self, key: BlockKey, reason: str) -> None:
+        log.warning("discarding block file %s for %s: %s; it will be re-encoded",
+                    self.path(key.digest), key.label or key.digest[:16], reason)
+        self.stats.discarded += 1
+        kind = reason.split(" (")[0]
+        self.stats.reasons[kind] = self.stats.reasons.get(kind, 0) + 1
+        self._forget(key.digest)
+        self.path(key.digest).unlink(missing_ok=True)
+
+    def write(self, key: BlockKey, block: torch.Tensor) -> bool:
+        """Write ``block`` (any device), evicting older files to stay within the budget.
+        Returns whether the block is now on disk."""
+        estimate = block.numel() * block.element_size() + 1024
+        if estimate > self.budget:
+            self.stats.skipped += 1
+            return False
+        self._forget(key.digest)
+        self._evict_to(self.budget - estimate)
+        t0 = time.perf_counter()
+        try:
+            size = write_block(self.path(key.digest), key, block.detach().to("cpu"))
+        except OSError as exc:
+            log.warning("cannot write block %s to %s: %s", key.label, self.dir, exc)
+            return False
+        self.stats.writes += 1
+        self.stats.write_s += time.perf_counter() - t0
+        self._track(key.digest, size)
+        self._evict_to(self.budget, keep=key.digest)
+        return key.digest in self._sizes
+
+    def _evict_to(self, limit: int, keep: str | None = None) -> None:
+        """Delete files until at most ``limit`` bytes are held (``keep`` goes last)."""
+        while self.nbytes > limit and self._sizes:
+            digest = self.policy.victim()
+            if digest == keep and len(self._sizes) > 1:
+                self.policy.touch(digest)
+                continue
+            self._forget(digest)
+            self.path(digest).unlink(missing_ok=True)
+            self.stats.evictions += 1
+
+    def clear(self) -> int:
+        """Delete every block file (and temporary file) under this tier; returns files removed."""
+        removed = 0
+        for path in self.dir.glob("*/*") if self.dir.is_dir() else ():
+            if path.name.endswith(SUFFIX):
+                path.unlink(missing_ok=True)
+                removed += not path.name.startswith(TEMP_PREFIX)
+        self._sizes.clear()
+        self.nbytes = 0
+        self.policy = make_policy(*self._policy_args)
+        return removed
+
+
+def list_blocks(root: str | os.PathLike) -> list[dict]:
+    """Descriptions of the block files under ``root`` (unreadable files are reported as such)."""
+    out = []
+    base = Path(root) / f"v{FORMAT_VERSION}"
+    for path in sorted(base.glob(f"*/*{SUFFIX}")) if base.is_dir() else ():
+        if path.name.startswith(TEMP_PREFIX):
+            continue
+        entry = {"path": str(path), "digest": path.name[:-len(SUFFIX)]}
+        try:
+            st = path.stat()
+            header, _ = read_header(path)
+        except (OSError, BlockFileError) as exc:
+            entry.update(status=f"unreadable: {exc}", bytes=0, mtime=0.0)
+            out.append(entry)
+            continue
+        meta = header.get("__metadata__") or {}
+        entry.update({k: meta.get(k, "") for k in ("model", "schema", "module", "scaffold", "tokens")},
+                     bytes=st.st_size, mtime=st.st_mtime, status="ok")
+        out.append(entry)
+    return out

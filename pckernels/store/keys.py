@@ -1,0 +1,87 @@
+"""Content-addressed keys for encoded module blocks.
+
+A block's KV depends on the model, the tokens it holds and where they sit, and what they
+attended to while being encoded. The key hashes exactly that, as a chain:
+
+    key(module)            = H(format, model, tokenizer, device kind, key(parent), own tokens/positions)
+    key(member @ scaffold) = H(..., key(parent), own tokens/positions, peers' tokens/positions)
+
+so a module's key changes when (and only when) its own content, its position, or any ancestor's
+content changes. Module, schema and scaffold names are not part of the key: they are carried
+along (not compared) for logs and listings. Editing one module therefore leaves the keys of
+modules outside its subtree (and layout) untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from pckernels.pml.model import Schema
+
+FORMAT_VERSION = 1
+"""Bump when the block layout ``[L, 2, H, n, D]`` or the encoding procedure changes."""
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    """Identity of one encoded block: ``digest`` (sha256 hex) is the whole identity; the other
+    fields describe it for humans (listing, logs) and never take part in equality."""
+
+    digest: str
+    model: str = field(default="", compare=False)
+    schema: str = field(default="", compare=False)
+    module: str = field(default="", compare=False)
+    scaffold: str = field(default="", compare=False)
+    tokens: int = field(default=0, compare=False)
+
+    @property
+    def label(self) -> str:
+        """``schema:module`` (``@scaffold`` when encoded jointly); the root is ``(root)``."""
+        name = f"{self.schema}:{self.module or '(root)'}"
+        return f"{name}@{self.scaffold}" if self.scaffold else name
+
+    def describe(self) -> dict[str, str]:
+        """The descriptive fields as strings (stored in file metadata)."""
+        return {"model": self.model, "schema": self.schema, "module": self.module,
+                "scaffold": self.scaffold, "tokens": str(self.tokens)}
+
+
+def _content(token_ids: tuple[int, ...], position_ids: tuple[int, ...]) -> list[list[int]]:
+    return [list(token_ids), list(position_ids)]
+
+
+class BlockKeys:
+    """Makes (and memoizes) the keys of one engine: fixed model, tokenizer and device kind.
+
+    ``model_id`` must identify config, weights and dtype; ``tokenizer_id`` the vocabulary and
+    rules; ``device_kind`` (``"cpu"``, ``"cuda"``) separates numerics of different kernels so a
+    reload is bit-identical to the original encode.
+    """
+
+    def __init__(self, model_id: str, tokenizer_id: str, device_kind: str, model_name: str = "") -> None:
+        self._prefix = json.dumps({"format": FORMAT_VERSION, "model": model_id, "tokenizer": tokenizer_id,
+                                   "device": device_kind}, sort_keys=True)
+        self.model_name = model_name
+        self._memo: dict[tuple[str, str, str], BlockKey] = {}
+
+    def __call__(self, schema: Schema, module: str, scaffold: str = "") -> BlockKey:
+        memo = (schema.digest, module, scaffold)
+        key = self._memo.get(memo)
+        if key is None:
+            key = self._memo[memo] = self._make(schema, module, scaffold)
+        return key
+
+    def _make(self, schema: Schema, module: str, scaffold: str) -> BlockKey:
+        mod = schema.modules[module]
+        parent = self(schema, mod.parent).digest if mod.parent is not None else ""
+        scope: dict[str, object] = {"parent": parent, "own": _content(mod.token_ids, mod.position_ids)}
+        if scaffold:
+            peers = [schema.modules[m] for m in schema.scaffolds[scaffold].members if m != module]
+            peers.sort(key=lambda m: (m.position_ids[:1], m.token_ids))
+            scope["peers"] = [_content(m.token_ids, m.position_ids) for m in peers]
+        h = hashlib.sha256(self._prefix.encode())
+        h.update(json.dumps(scope, separators=(",", ":")).encode())
+        return BlockKey(h.hexdigest(), model=self.model_name, schema=schema.name, module=module,
+                        scaffold=scaffold, tokens=len(mod.token_ids))

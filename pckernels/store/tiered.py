@@ -1,0 +1,340 @@
+"""The tiered block store: device memory, (pinned) host memory and disk, each within a budget.
+
+Blocks are ``[L, 2, H, n, D]`` tensors keyed by ``BlockKey``. Placement rules:
+
+* ``put`` writes the block through to disk (when there is a disk tier: this is what survives a
+  restart) and keeps it on the device.
+* The device and host tiers are exclusive: a block lives in at most one of them. When the
+  device tier is over budget its victim moves to the host tier; when the host tier is over
+  budget its victim is dropped from memory (written to disk first if the file is missing).
+  When the disk tier is over budget its victim's file is deleted (re-encoded on next use).
+* ``get`` moves a block up to the device tier (returns it on the engine's device) or returns
+  ``None`` when no tier holds it (the caller re-encodes and ``put``\\ s it).
+* ``prefetch`` stages blocks without evicting anything: host blocks are copied to the device
+  if it has room, disk blocks are read by a background thread into the host tier if it has room.
+
+On CUDA, host memory is pinned and host-to-device copies run on a side stream with
+``non_blocking=True``; the consuming stream waits on the copy's event (no host sync). On CPU the
+"device" is host memory too: moving between the two memory tiers moves a reference, no copy.
+Budgets hold after every public call returns. Not thread-safe: one engine, one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable
+
+import torch
+
+from pckernels.store.disk import DiskTier
+from pckernels.store.keys import BlockKey
+from pckernels.store.policy import CostModel, EvictionPolicy, make_policy
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_CPU_DEVICE_BUDGET = 1 * GiB
+DEFAULT_CUDA_DEVICE_FRACTION = 0.25
+DEFAULT_HOST_BUDGET = 4 * GiB
+DEFAULT_DISK_BUDGET = 20 * GiB
+
+REFILL_COST = {
+    "device-cuda": CostModel(20e-6, 12e9),
+    "device-cpu": CostModel(1e-6, 20e9),
+    "host": CostModel(300e-6, 400e6),
+    "disk": CostModel(20e-3, 50e6),
+}
+"""Rough seconds to bring a block back into each tier from the one below (host <- disk is a
+read plus sha256; disk <- re-encode). Only the ratios matter to GreedyDual-Size."""
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
+          "mib": 1 << 20, "g": GiB, "gb": 1000 ** 3, "gib": GiB, "t": 1 << 40, "tb": 1000 ** 4, "tib": 1 << 40}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from ``1048576``, ``"512MiB"``, ``"2GB"``, ``"1.5g"``."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (examples: 1048576, 512MiB, 2GB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def nbytes_of(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def default_device_budget(device: torch.device) -> int:
+    """A quarter of the GPU's memory on CUDA; 1 GiB on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * DEFAULT_CUDA_DEVICE_FRACTION)
+    return DEFAULT_CPU_DEVICE_BUDGET
+
+
+class MemoryTier:
+    """Blocks held in memory within ``budget`` bytes, ordered for eviction by ``policy``."""
+
+    def __init__(self, name: str, budget: int, policy: EvictionPolicy) -> None:
+        self.name = name
+        self.budget = int(budget)
+        self.policy = policy
+        self.blocks: dict[BlockKey, torch.Tensor] = {}
+        self.nbytes = 0
+        self.hits = 0
+        self.evictions = 0
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self.blocks
+
+    def free(self) -> int:
+        return self.budget - self.nbytes
+
+    def add(self, key: BlockKey, block: torch.Tensor) -> None:
+        self.blocks[key] = block
+        self.nbytes += nbytes_of(block)
+        self.policy.admit(key, nbytes_of(block))
+
+    def pop(self, key: BlockKey) -> torch.Tensor:
+        block = self.blocks.pop(key)
+        self.nbytes -= nbytes_of(block)
+        self.policy.remove(key)
+        return block
+
+    def clear(self) -> None:
+        for key in list(self.blocks):
+            self.pop(key)
+
+
+class TieredStore:
+    """Device / host / disk block store (see the module docstring).
+
+    ``device_budget``, ``host_budget``, ``disk_budget``: bytes or strings like ``"2GiB"``; ``None``
+    takes the default (device: a quarter of the GPU, 1 GiB on CPU; host 4 GiB; disk 20 GiB).
+    ``disk_dir=None`` means no disk tier. ``policy``: ``"gds"`` (GreedyDual-Size-Frequency,
+    default) or ``"lru"``.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", *, device_budget: int | str | None = None,
+                 host_budget: int | str | None = None, disk_dir: str | os.PathLike | None = None,
+                 disk_budget: int | str | None = None, policy: str = "gds") -> None:
+        self.device = torch.device(device)
+        on_cuda = self.device.type == "cuda"
+        self.pin = on_cuda
+        dev_budget = default_device_budget(self.device) if device_budget is None else parse_size(device_budget)
+        self.device_tier = MemoryTier("device", dev_budget,
+                                      make_policy(policy, REFILL_COST["device-cuda" if on_cuda else "device-cpu"]))
+        self.host_tier = MemoryTier("host", DEFAULT_HOST_BUDGET if host_budget is None else parse_size(host_budget),
+                                    make_policy(policy, REFILL_COST["host"]))
+        self.disk: DiskTier | None = None
+        if disk_dir is not None:
+            self.disk = DiskTier(disk_dir, DEFAULT_DISK_BUDGET if disk_budget is None else parse_size(disk_budget),
+                                 policy=policy, cost=REFILL_COST["disk"])
+        self.policy = policy
+        self.misses = 0
+        self.dropped = 0
+        self.prefetched = 0
+        self.encodes = 0
+        self.encode_s = 0.0
+        self._copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
+        self._copy_done: dict[BlockKey, torch.cuda.Event] = {}
+        self._loader: ThreadPoolExecutor | None = None
+        self._loading: dict[BlockKey, Future] = {}
+
+    # -- the engine's interface -------------------------------------------------------------
+
+    def __contains__(self, key: BlockKey) -> bool:
+        self._collect_loads()
+        return (key in self.device_tier or key in self.host_tier or key in self._loading
+                or (self.disk is not None and key in self.disk))
+
+    def get(self, key: BlockKey) -> torch.Tensor | None:
+        """The block ``[L, 2, H, n, D]`` on the store's device, moved up to the device tier; ``None``
+        if no tier holds a usable copy."""
+        self._collect_loads()
+        if key in self.device_tier:
+            self.device_tier.hits += 1
+            self.device_tier.policy.touch(key)
+            return self._usable(key, self.device_tier.blocks[key])
+        if key in self.host_tier:
+            self.host_tier.hits += 1
+            return self._promote(key, self.host_tier.pop(key))
+        block = None
+        if key in self._loading:
+            block = self.disk.accept(key, self._loading.pop(key).result())
+        elif self.disk is not None:
+            block = self.disk.read(key, pin=self.pin)
+        if block is None:
+            self.misses += 1
+            return None
+        self.disk.stats.hits += 1
+        return self._promote(key, block)
+
+    def put(self, key: BlockKey, block: torch.Tensor) -> None:
+        """Store a freshly encoded block (on the store's device): written through to disk, kept
+        on the device tier (or the host tier when it exceeds the device budget)."""
+        self._collect_loads()
+        self._remove_from_memory(key)
+        if self.disk is not None:
+            self.disk.write(key, block)
+        if nbytes_of(block) <= self.device_tier.budget:
+            self._add_device(key, block)
+        else:
+            self._add_host(key, self._to_host(block))
+
+    def prefetch(self, keys: Iterable[BlockKey]) -> None:
+        """Stage ``keys`` closer to the device without evicting anything (asynchronous)."""
+        self._collect_loads()
+        for key in keys:
+            if key in self.device_tier or key in self._loading:
+                continue
+            if key in self.host_tier:
+                if nbytes_of(self.host_tier.blocks[key]) <= self.device_tier.free():
+                    self._add_device(key, self._to_device(key, self.host_tier.pop(key), wait=False))
+                    self.prefetched += 1
+            elif self.disk is not None and key in self.disk and self.disk.size_of(key) <= self.host_tier.free():
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-prefetch")
+                self._loading[key] = self._loader.submit(self.disk.read_raw, key, self.pin)
+
+    def record_encode(self, blocks: int, seconds: float) -> None:
+        """Account ``blocks`` encoded by the engine in ``seconds`` (for ``stats``)."""
+        self.encodes += blocks
+        self.encode_s += seconds
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Blocks held in memory (device and host tiers)."""
+        return len(self.device_tier.blocks) + len(self.host_tier.blocks)
+
+    def keys(self) -> list[BlockKey]:
+        """Keys held in memory, device tier first."""
+        return list(self.device_tier.blocks) + list(self.host_tier.blocks)
+
+    def nbytes(self) -> int:
+        """Bytes held in memory (device and host tiers)."""
+        return self.device_tier.nbytes + self.host_tier.nbytes
+
+    def stats(self) -> dict:
+        """Hits, bytes, budgets and evictions per tier; misses, loads, writes, encodes."""
+        self._collect_loads()
+        out: dict = {"policy": self.policy}
+        for tier in (self.device_tier, self.host_tier):
+            out[tier.name] = {"hits": tier.hits, "entries": len(tier.blocks), "bytes": tier.nbytes,
+                              "budget": tier.budget, "evictions": tier.evictions}
+        if self.disk is not None:
+            s = self.disk.stats
+            out["disk"] = {"hits": s.hits, "entries": len(self.disk), "bytes": self.disk.nbytes,
+                           "budget": self.disk.budget, "evictions": s.evictions, "loads": s.loads,
+                           "load_s": s.load_s, "writes": s.writes, "write_s": s.write_s,
+                           "discarded": s.discarded, "discard_reasons": dict(s.reasons),
+                           "skipped": s.skipped, "dir": str(self.disk.root)}
+        out.update(misses=self.misses, dropped=self.dropped, prefetched=self.prefetched,
+                   encodes=self.encodes, encode_s=self.encode_s)
+        return out
+
+    def clear(self, *, disk: bool = False) -> None:
+        """Forget every block held in memory (and delete the disk tier's files when ``disk``)."""
+        self._collect_loads(wait=True)
+        self.device_tier.clear()
+        self.host_tier.clear()
+        self._copy_done.clear()
+        if disk and self.disk is not None:
+            self.disk.clear()
+
+    def close(self) -> None:
+        """Finish background reads and stop the loader thread."""
+        self._collect_loads(wait=True)
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
+
+    # -- movement between tiers ---------------------------------------------------------------
+
+    def _add_device(self, key: BlockKey, block: torch.Tensor) -> None:
+        size = nbytes_of(block)
+        tier = self.device_tier
+        while tier.nbytes + size > tier.budget:
+            victim = tier.policy.victim()
+            tier.evictions += 1
+            self._add_host(victim, self._to_host(self._usable(victim, tier.pop(victim))))
+        tier.add(key, block)
+
+    def _add_host(self, key: BlockKey, block: torch.Tensor) -> None:
+        size = nbytes_of(block)
+        tier = self.host_tier
+        if size > tier.budget:
+            self._drop(key, block)
+            return
+        while tier.nbytes + size > tier.budget:
+            victim = tier.policy.victim()
+            tier.evictions += 1
+            self._drop(victim, tier.pop(victim))
+        tier.add(key, block)
+
+    def _drop(self, key: BlockKey, block: torch.Tensor) -> None:
+        """``key`` leaves memory: make sure the disk tier has it, else it is lost."""
+        self._copy_done.pop(key, None)
+        if self.disk is not None and (key in self.disk or self.disk.write(key, block)):
+            return
+        self.dropped += 1
+        log.debug("block %s dropped from memory with no copy on disk", key.label)
+
+    def _remove_from_memory(self, key: BlockKey) -> None:
+        for tier in (self.device_tier, self.host_tier):
+            if key in tier:
+                tier.pop(key)
+        self._copy_done.pop(key, None)
+
+    def _promote(self, key: BlockKey, host_block: torch.Tensor) -> torch.Tensor:
+        """Move a host-memory block up: to the device tier when it fits the budget, else back to
+        the host tier (the caller still gets a device copy)."""
+        block = self._to_device(key, host_block, wait=True)
+        if nbytes_of(block) <= self.device_tier.budget:
+            self._add_device(key, block)
+        else:
+            self._add_host(key, host_block)
+        return block
+
+    def _to_device(self, key: BlockKey, host_block: torch.Tensor, *, wait: bool) -> torch.Tensor:
+        """Copy to the device: on CUDA asynchronously on the side stream. ``wait``: the current
+        stream waits for the copy now; otherwise the wait happens when the block is used."""
+        if self._copy_stream is None:
+            return host_block.to(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            block = host_block.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._copy_done[key] = done
+        return self._usable(key, block) if wait else block
+
+    def _usable(self, key: BlockKey, block: torch.Tensor) -> torch.Tensor:
+        """``block`` made safe to use on the current stream (waits for a pending copy on the GPU)."""
+        done = self._copy_done.pop(key, None)
+        if done is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(done)
+            block.record_stream(stream)
+        return block
+
+    def _to_host(self, block: torch.Tensor) -> torch.Tensor:
+        if block.device.type == "cpu":
+            return block
+        host = torch.empty(block.shape, dtype=block.dtype, pin_memory=self.pin)
+        host.copy_(block)
+        return host
+
+    def _collect_loads(self, wait: bool = False) -> None:
+        """Move finished background disk reads into the host tier while it has room."""
+        for key in [k for k, f in self._loading.items() if wait or f.done()]:
+            block = self.disk.accept(key, self._loading.pop(key).result())
+            if block is None or key in self.device_tier or key in self.host_tier:
+                continue
+            if nbytes_of(block) <= self.host_tier.free():
+                self.host_tier.add(key, block)
+                self.prefetched += 1
