@@ -239,6 +239,14 @@ def test_scaffold_import_imports_all_members():
     assert p.scaffolds == ("pe",)
 
 
+def test_scaffold_import_by_tag_name():
+    p = prompt("<pe/><o/>", {"sc": SCAFFOLD}, "sc")
+    assert p.modules == (ROOT, "person", "event", "o")
+    assert p.scaffolds == ("pe",)
+    with pytest.raises(PMLError, match="scaffold 'pe' takes no arguments"):
+        prompt('<pe x="1"/>', {"sc": SCAFFOLD}, "sc")
+
+
 def test_scaffold_applies_when_all_members_imported_individually():
     assert prompt("<person/><event/>", {"sc": SCAFFOLD}, "sc").scaffolds == ("pe",)
     assert prompt("<person/>", {"sc": SCAFFOLD}, "sc").scaffolds == ()

@@ -168,7 +168,14 @@ class _PromptReader:
             raise self.error(f"<{tag}> cannot be inside a module import; put role tags "
                              "around imports, not inside them", element)
         if tag == "scaffold":
-            return self._scaffold_import(element, scope)
+            name = attributes(self.source, element, ("name",), ("name",))["name"]
+            return self._scaffold_import(element, scope, name)
+        if tag != "module" and _qualify(scope, tag) not in self.schema.modules \
+                and tag in self.schema.scaffolds:
+            if element.attrib:
+                raise self.error(f"scaffold {tag!r} takes no arguments; import its members "
+                                 "individually to pass arguments", element)
+            return self._scaffold_import(element, scope, tag)
         if tag == "module":
             values = dict(element.attrib)
             if "name" not in values:
@@ -205,9 +212,7 @@ class _PromptReader:
             node.children.append(self._import(part, target))
         return node
 
-    def _scaffold_import(self, element: Any, scope: str) -> _Import:
-        values = attributes(self.source, element, ("name",), ("name",))
-        name = values["name"]
+    def _scaffold_import(self, element: Any, scope: str, name: str) -> _Import:
         scaffold = self.schema.scaffolds.get(name)
         if scaffold is None:
             close = difflib.get_close_matches(name, list(self.schema.scaffolds), n=3)
@@ -216,7 +221,7 @@ class _PromptReader:
             raise self.error(f"unknown scaffold {name!r} in schema {self.schema.name!r}{hint}",
                              element)
         if not is_empty(element):
-            raise self.error(f"<scaffold name=\"{name}\"/> must be empty; import members "
+            raise self.error(f"the import of scaffold {name!r} must be empty; import members "
                              "individually to pass arguments", element)
         members = scaffold.members
         parent = self.schema.modules[members[0]].parent or ROOT
