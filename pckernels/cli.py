@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pckernels.errors import PMLError, UnsupportedModelError
+from pckernels.cli_store import cache_app, encode
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="promptcache: reuse attention states of prompt modules declared in PML.")
@@ -101,6 +102,10 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
     for m, r in results.items():
         console.print(f"[bold]{m}[/bold] ttft {r.ttft_s * 1e3:.1f} ms, cached {r.cached_tokens}, "
                       f"computed {r.computed_tokens}: {r.text}")
+
+
+app.command()(encode)
+app.add_typer(cache_app, name="cache")
 
 
 def main() -> None:

@@ -1,0 +1,205 @@
+"""Module store through the engine: outputs after eviction, demotion, reload and restart are
+bit-identical to a run that never evicted; budgets hold; keys are content-addressed; bad
+files are re-encoded; union siblings are prefetched.
+
+Same tiny random Llama, schema and prompts as ``test_engine`` (exactness needs no trained weights).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pckernels.engine import PromptCache
+from test_engine import PROMPTS, SCHEMA, tiny_llama, tokenizer  # noqa: F401  (tokenizer is a fixture)
+
+NEW_TOKENS = 4
+ORDER = ["everything", "all-of-union-one", "other-member", "nested", "scaffold-all", "scaffold-part",
+         "params-short", "nested-some", "scaffold-by-name", "none"]
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def expected(model, tokenizer):
+    """Outputs of a cache that never evicts (default budgets, no disk)."""
+    pc = PromptCache(model, tokenizer)
+    pc.add_schema(SCHEMA)
+    out = {name: pc.generate(PROMPTS[name], max_new_tokens=NEW_TOKENS) for name in ORDER}
+    assert pc.stats()["device"]["evictions"] == 0
+    return out
+
+
+def assert_same(got, want):
+    assert got.token_ids == want.token_ids
+    assert torch.equal(got.first_logits, want.first_logits)
+
+
+def assert_within_budgets(pc: PromptCache) -> None:
+    store = pc.store
+    assert store.device_tier.nbytes <= store.device_tier.budget
+    assert store.host_tier.nbytes <= store.host_tier.budget
+    if store.disk is not None:
+        assert store.disk.nbytes <= store.disk.budget
+
+
+def run_all(pc: PromptCache, expected, rounds: int = 2) -> None:
+    for r in range(rounds):
+        for name in (ORDER if r % 2 == 0 else ORDER[::-1]):
+            assert_same(pc.generate(PROMPTS[name], max_new_tokens=NEW_TOKENS), expected[name])
+            assert_within_budgets(pc)
+
+
+@pytest.fixture(scope="module")
+def sizes(model, tokenizer):
+    """Byte sizes of the schema's blocks, smallest first."""
+    pc = PromptCache(model, tokenizer)
+    pc.add_schema(SCHEMA)
+    store = pc.store
+    return sorted(store.device_tier.blocks[k].numel() * store.device_tier.blocks[k].element_size()
+                  for k in store.keys())
+
+
+def test_demotion_and_disk_reload_are_exact(model, tokenizer, expected, sizes, tmp_path):
+    pc = PromptCache(model, tokenizer, store_dir=tmp_path, device_budget=2 * sizes[-1],
+                     host_budget=2 * sizes[-1], disk_budget=10 * sum(sizes))
+    pc.add_schema(SCHEMA)
+    assert_within_budgets(pc)
+    run_all(pc, expected)
+    stats = pc.stats()
+    assert stats["device"]["evictions"] > 0 and stats["host"]["evictions"] > 0
+    assert stats["host"]["hits"] > 0 and stats["disk"]["loads"] > 0
+    assert stats["misses"] == 0 and stats["dropped"] == 0
+    assert stats["encodes"] == len(sizes)
+
+
+def test_eviction_without_disk_reencodes_exactly(model, tokenizer, expected, sizes):
+    pc = PromptCache(model, tokenizer, device_budget=sizes[-1], host_budget=sizes[-1])
+    pc.add_schema(SCHEMA)
+    run_all(pc, expected)
+    stats = pc.stats()
+    assert stats["dropped"] > 0 and stats["misses"] > 0
+    assert stats["encodes"] > len(sizes)
+    assert "disk" not in stats
+
+
+def test_zero_memory_budgets_still_exact(model, tokenizer, expected, tmp_path):
+    pc = PromptCache(model, tokenizer, store_dir=tmp_path, device_budget=0, host_budget=0)
+    pc.add_schema(SCHEMA)
+    run_all(pc, expected, rounds=1)
+    assert pc.store.nbytes() == 0
+    assert pc.stats()["misses"] == 0
+
+
+def test_restart_loads_from_disk_instead_of_encoding(model, tokenizer, expected, sizes, tmp_path):
+    first = PromptCache(model, tokenizer, store_dir=tmp_path)
+    first.add_schema(SCHEMA)
+    assert first.stats()["disk"]["writes"] == len(sizes)
+    restarted = PromptCache(model, tokenizer, store_dir=tmp_path)
+    restarted.add_schema(SCHEMA)
+    run_all(restarted, expected, rounds=1)
+    stats = restarted.stats()
+    assert stats["encodes"] == 0 and stats["disk"]["writes"] == 0
+    assert stats["disk"]["loads"] > 0 and stats["disk"]["discarded"] == 0
+
+
+def test_other_model_never_receives_these_blocks(model, tokenizer, tmp_path):
+    PromptCache(model, tokenizer, store_dir=tmp_path).add_schema(SCHEMA)
+    other = PromptCache(tiny_llama(len(tokenizer), seed=1), tokenizer, store_dir=tmp_path)
+    other.add_schema(SCHEMA)
+    stats = other.stats()
+    assert stats["disk"]["loads"] == 0 and stats["encodes"] == stats["disk"]["writes"] > 0
+    mine = {k.digest for k in PromptCache(model, tokenizer).store.keys()}
+    assert not mine & {k.digest for k in other.store.keys()}
+
+
+def test_editing_one_module_keeps_the_other_blocks(model, tokenizer, tmp_path):
+    edited = SCHEMA.replace("Include local food.", "Include local drinks.")
+    assert len(tokenizer.encode("Include local food.")) == len(tokenizer.encode("Include local drinks."))
+    first = PromptCache(model, tokenizer, store_dir=tmp_path)
+    before = first.add_schema(SCHEMA)
+    second = PromptCache(model, tokenizer, store_dir=tmp_path)
+    after = second.add_schema(edited)
+    assert second.stats()["encodes"] == 1
+    changed = [m for m in before.modules if first._block_key(before, m) != second._block_key(after, m)]
+    assert changed == [m for m in before.modules if m.endswith("food")]
+    want = PromptCache(model, tokenizer)
+    want.add_schema(edited)
+    prompt = PROMPTS["nested"]
+    assert_same(second.generate(prompt, max_new_tokens=NEW_TOKENS), want.generate(prompt, max_new_tokens=NEW_TOKENS))
+
+
+def test_keys_cover_scope_not_names(model, tokenizer):
+    pc = PromptCache(model, tokenizer)
+    schema = pc.add_schema(SCHEMA)
+    renamed = pc.add_schema(SCHEMA.replace('name="guide"', 'name="guide2"'))
+    key = pc._block_key
+    assert key(schema, "intro") == key(renamed, "intro")
+    assert key(schema, "fact-a") != key(schema, "fact-a", "pair")
+    food = next(m for m in schema.modules if m.endswith("food"))
+    plan_edit = pc.add_schema(SCHEMA.replace('name="guide"', 'name="g3"').replace("Plan a trip", "Plan a tour"))
+    assert len(tokenizer.encode("Plan a trip")) == len(tokenizer.encode("Plan a tour"))
+    assert key(plan_edit, food) != key(schema, food)
+    assert key(plan_edit, "intro") == key(schema, "intro")
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "garbage"])
+def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, tmp_path, damage, caplog):
+    first = PromptCache(model, tokenizer, store_dir=tmp_path)
+    schema = first.add_schema(SCHEMA)
+    disk = first.store.disk
+    victim = disk.path(first._block_key(schema, "paris").digest)
+    if damage == "corrupt":
+        data = bytearray(victim.read_bytes())
+        data[-10] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:-100])
+    elif damage == "foreign":
+        other = PromptCache(tiny_llama(len(tokenizer), seed=1), tokenizer, store_dir=tmp_path / "other")
+        other_schema = other.add_schema(SCHEMA)
+        victim.write_bytes(other.store.disk.path(other._block_key(other_schema, "paris").digest).read_bytes())
+    else:
+        victim.write_bytes(b"not a safetensors file at all")
+    restarted = PromptCache(model, tokenizer, store_dir=tmp_path)
+    restarted.add_schema(SCHEMA)
+    with caplog.at_level("WARNING", logger="pckernels.store.disk"):
+        got = restarted.generate(PROMPTS["all-of-union-one"], max_new_tokens=NEW_TOKENS)
+    assert_same(got, expected["all-of-union-one"])
+    stats = restarted.stats()
+    assert stats["disk"]["discarded"] == 1 and stats["encodes"] == 1
+    assert "discarding block file" in caplog.text
+    assert restarted.store.disk.read(restarted._block_key(schema, "paris")) is not None
+
+
+def test_union_siblings_are_prefetched(model, tokenizer, expected, tmp_path):
+    PromptCache(model, tokenizer, store_dir=tmp_path).add_schema(SCHEMA)
+    pc = PromptCache(model, tokenizer, store_dir=tmp_path)
+    schema = pc.add_schema(SCHEMA)
+    assert_same(pc.generate(PROMPTS["all-of-union-one"], max_new_tokens=NEW_TOKENS), expected["all-of-union-one"])
+    tokyo = pc._block_key(schema, "tokyo")
+    deadline = time.monotonic() + 10
+    while pc.stats()["prefetched"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tokyo in pc.store.host_tier
+    loads = pc.stats()["disk"]["loads"]
+    assert_same(pc.generate(PROMPTS["other-member"], max_new_tokens=NEW_TOKENS), expected["other-member"])
+    stats = pc.stats()
+    assert stats["disk"]["loads"] == loads and stats["host"]["hits"] >= 1
+    pc.store.close()
+
+
+def test_stats_report_every_tier(model, tokenizer, tmp_path):
+    pc = PromptCache(model, tokenizer, store_dir=tmp_path, device_budget="1MiB", host_budget="2MiB",
+                     disk_budget="1GiB")
+    pc.add_schema(SCHEMA)
+    stats = pc.stats()
+    for tier in ("device", "host", "disk"):
+        assert {"hits", "entries", "bytes", "budget", "evictions"} <= stats[tier].keys()
+    assert stats["device"]["budget"] == 1 << 20 and stats["disk"]["budget"] == 1 << 30
+    assert stats["encodes"] > 0 and stats["encode_s"] > 0 and stats["disk"]["writes"] == stats["encodes"]
