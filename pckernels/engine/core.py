@@ -14,7 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from pckernels.engine.buffer import AssemblyBuffer, BufferCache, Placement
-from pckernels.engine.plan import CachedPlan, module_scope, plan_cached, plan_reference
+from pckernels.engine.deviation import DeviationScores
+from pckernels.engine.plan import CachedPlan, module_scope, plan_cached, plan_reference, select_recompute
 from pckernels import ops
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
@@ -91,6 +92,7 @@ class PromptCache:
         self._cache = BufferCache(self.buffer)
         self._encode_buffer = AssemblyBuffer(self.layout, dtype=self.dtype, device=self.device)
         self._encode_cache = BufferCache(self._encode_buffer)
+        self.deviation = DeviationScores(self)
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         if tokenizer.eos_token_id is not None:
@@ -261,18 +263,26 @@ class PromptCache:
 
     def generate(self, prompt: str | ResolvedPrompt, *, max_new_tokens: int = 64, mode: str = "cached",
                  temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
-                 seed: int | None = None) -> GenerationResult:
-        """Answer a PML prompt. See the class docstring for ``mode``."""
+                 seed: int | None = None, recompute: float = 0.0,
+                 recompute_policy: str = "first") -> GenerationResult:
+        """Answer a PML prompt. See the class docstring for ``mode``.
+
+        ``recompute`` (cached and reference modes): the share of the imported modules' stale
+        tokens (``plan.stale_tokens``) computed afresh in the prompt's forward, attending like
+        uncached text, their new states replacing the cached ones; ``recompute_policy`` picks
+        them: ``"first"`` tokens of each module or highest ``"deviation"`` (``docs/fidelity.md``).
+        """
         run = self._run(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                        top_p=top_p, stop=stop, seed=seed)
+                        top_p=top_p, stop=stop, seed=seed, recompute=recompute, recompute_policy=recompute_policy)
         return _drain(run)
 
     def stream(self, prompt: str | ResolvedPrompt, *, max_new_tokens: int = 64, mode: str = "cached",
                temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
-               seed: int | None = None) -> Iterator[str]:
+               seed: int | None = None, recompute: float = 0.0,
+               recompute_policy: str = "first") -> Iterator[str]:
         """Like ``generate`` but yields the answer's text as it is produced."""
         run = self._run(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                        top_p=top_p, stop=stop, seed=seed)
+                        top_p=top_p, stop=stop, seed=seed, recompute=recompute, recompute_policy=recompute_policy)
         emitted = ""
         try:
             while True:
@@ -286,7 +296,8 @@ class PromptCache:
                 yield final[len(emitted):]
 
     @torch.inference_mode()
-    def _run(self, prompt, *, max_new_tokens: int, mode: str, temperature: float, top_p: float, stop, seed):
+    def _run(self, prompt, *, max_new_tokens: int, mode: str, temperature: float, top_p: float, stop, seed,
+             recompute: float = 0.0, recompute_policy: str = "first"):
         t0 = time.perf_counter()
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -300,13 +311,17 @@ class PromptCache:
         if limit is not None and last_pos + 1 >= limit:
             raise PMLError(f"the prompt reaches position {last_pos}, leaving no room to generate within the "
                            f"model's {limit} positions")
+        if mode == "baseline" and recompute:
+            raise ValueError("recompute applies to the cached and reference modes, not baseline")
+        recomputed = select_recompute(resolved, recompute, recompute_policy,
+                                      lambda: self.deviation.for_schema(resolved.schema))
         generator = make_generator(seed)
         if mode == "baseline":
             logits, positions, cached, computed, step = self._prefill_baseline(resolved)
         elif mode == "reference":
-            logits, positions, cached, computed, step = self._prefill_reference(resolved, max_new_tokens)
+            logits, positions, cached, computed, step = self._prefill_reference(resolved, max_new_tokens, recomputed)
         else:
-            logits, positions, cached, computed, step = self._prefill_cached(resolved, max_new_tokens)
+            logits, positions, cached, computed, step = self._prefill_cached(resolved, max_new_tokens, recomputed)
         first_logits = logits[-1].float()
         token = select_token(first_logits, temperature=temperature, top_p=top_p, generator=generator)
         _sync(self.device)
@@ -335,9 +350,9 @@ class PromptCache:
             first_logits=first_logits.cpu(), mode=mode, finish_reason=reason,
         )
 
-    def _prefill_cached(self, resolved: ResolvedPrompt, max_new_tokens: int):
-        plan: CachedPlan = plan_cached(resolved)
-        if not plan.new_tokens:
+    def _prefill_cached(self, resolved: ResolvedPrompt, max_new_tokens: int, recomputed=frozenset()):
+        plan: CachedPlan = plan_cached(resolved, recomputed)
+        if len(plan.new_tokens) == len(recomputed):
             raise PMLError("the prompt has no uncached tokens after its last module; add text (for example "
                            "<user>…</user><assistant/>) so the model has something to answer")
         buf = self.buffer
@@ -351,13 +366,12 @@ class PromptCache:
         if plan.new_rows_contiguous:
             start, rows = plan.new_rows[0], None
             buf.row_pos[start:start + len(plan.new_rows)] = positions
-            buf.invalidate_rows(start, start + len(plan.new_rows))
         else:
             start = 0
             rows = torch.tensor(plan.new_rows, dtype=torch.long, device=self.device)
             buf.row_pos[rows] = positions
-            for row in plan.new_rows:
-                buf.invalidate_rows(row, row + 1)
+        for span_start, span_stop in plan.overwritten_spans:
+            buf.invalidate_rows(span_start, span_stop)
         self._cache.prepare(rows=rows, start=start, extent=plan.rows)
         logits = self.adapter.forward(ids, positions[None], buf.attention(positions, plan.rows), self._cache)
         step = self._decode_step(plan.rows)
@@ -365,8 +379,8 @@ class PromptCache:
         computed = len(plan.new_tokens)
         return logits, all_positions, plan.cached_tokens, computed, step
 
-    def _prefill_reference(self, resolved: ResolvedPrompt, max_new_tokens: int):
-        ref = plan_reference(resolved)
+    def _prefill_reference(self, resolved: ResolvedPrompt, max_new_tokens: int, recomputed=frozenset()):
+        ref = plan_reference(resolved, recomputed)
         buf = self.buffer
         n = len(ref.tokens)
         buf.ensure_capacity(n + max_new_tokens)

@@ -3,7 +3,9 @@ which rows are computed fresh, which are dead; and the module-scoped mask of the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -45,7 +47,8 @@ class CachedPlan:
     """Everything the cached forward needs (plain Python data; tensors are made by the engine).
 
     ``blocks``: imported modules in document order with their buffer rows.
-    ``new_tokens/new_positions/new_rows``: uncached tokens (arguments and text) in position order.
+    ``new_tokens/new_positions/new_rows``: tokens computed by the forward (arguments, text and
+    recomputed module tokens) in position order.
     ``dead_rows``: unused parameter-slot rows. ``rows``: rows in use after the prompt.
     """
 
@@ -56,16 +59,102 @@ class CachedPlan:
     dead_rows: list[int]
     rows: int
     cached_tokens: int
+    recomputed_blocks: frozenset[str] = frozenset()
+    """Modules some of whose rows are overwritten by recomputed tokens."""
 
     @property
     def new_rows_contiguous(self) -> bool:
         rows = self.new_rows
         return not rows or rows == list(range(rows[0], rows[0] + len(rows)))
 
+    @property
+    def overwritten_spans(self) -> list[tuple[int, int]]:
+        """Row ranges ``[start, stop)`` the forward writes: whole blocks holding recomputed rows
+        (so a later prompt copies them afresh in one piece) and runs of the other new rows."""
+        whole = [(b.dst_row, b.dst_row + b.n_rows) for b in self.blocks if b.module in self.recomputed_blocks]
+        runs: list[tuple[int, int]] = []
+        for row in sorted(r for r in self.new_rows if not any(lo <= r < hi for lo, hi in whole)):
+            if runs and runs[-1][1] == row:
+                runs[-1] = (runs[-1][0], row + 1)
+            else:
+                runs.append((row, row + 1))
+        return sorted(whole + runs)
 
-def plan_cached(prompt: ResolvedPrompt) -> CachedPlan:
+
+TokenRef = tuple[str, int]
+"""A module's own token: ``(module, index into Module.token_ids)``."""
+
+RECOMPUTE_POLICIES = ("first", "deviation")
+
+
+def _own_index(schema: Schema, module: str) -> dict[int, int]:
+    """``position -> index`` of a module's own tokens."""
+    return {p: i for i, p in enumerate(schema.modules[module].position_ids)}
+
+
+def stale_tokens(prompt: ResolvedPrompt) -> list[TokenRef]:
+    """Cached tokens of ``prompt`` whose states differ from what full causal attention over the
+    prompt would give, in position order: a token is stale when an earlier live token of the
+    prompt lies outside its encoding scope, or an earlier token in its scope is stale. The others
+    (the system prompt, the first module after it) are already exact; recomputing them changes
+    nothing. Parameter placeholders are never live, so never stale."""
+    schema = prompt.schema
+    variants = scaffold_variants(prompt)
+    seen: set[str | None] = set()
+    stale_owners: set[str] = set()
+    stale: list[TokenRef] = []
+    for seg in prompt.segments:
+        if seg.kind == "slot":
+            continue
+        if seg.kind != "cached":
+            seen.add(None)
+            continue
+        scope = module_scope(schema, seg.module, variants.get(seg.module, ""))
+        index = _own_index(schema, seg.module)
+        for position in seg.position_ids:
+            if not seen <= scope or stale_owners & scope:
+                stale.append((seg.module, index[position]))
+                stale_owners.add(seg.module)
+            seen.add(seg.module)
+    return stale
+
+
+def select_recompute(prompt: ResolvedPrompt, share: float, policy: str = "first",
+                     scores: Callable[[], Mapping[str, Sequence[float]]] | None = None) -> frozenset[TokenRef]:
+    """The ``share`` (0 to 1) of the prompt's stale tokens to compute afresh.
+
+    ``first``: the first ``ceil(share * n)`` stale tokens of each module (``n`` its stale
+    tokens). ``deviation``: the ``ceil(share * N)`` stale tokens of the whole prompt with the
+    highest ``scores()[module][index]`` (earlier positions win ties); ``scores`` is called only
+    when that policy needs it.
+    """
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"recompute must be a share between 0 and 1, got {share}")
+    if policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"unknown recompute policy {policy!r}; expected one of {', '.join(RECOMPUTE_POLICIES)}")
+    stale = stale_tokens(prompt) if share else []
+    if not stale:
+        return frozenset()
+    if policy == "first":
+        by_module: dict[str, list[TokenRef]] = {}
+        for ref in stale:
+            by_module.setdefault(ref[0], []).append(ref)
+        return frozenset(ref for refs in by_module.values() for ref in refs[:_share_count(share, len(refs))])
+    if scores is None:
+        raise ValueError("the deviation policy needs per-token deviation scores")
+    table = scores()
+    order = sorted(range(len(stale)), key=lambda i: (-float(table[stale[i][0]][stale[i][1]]), i))
+    return frozenset(stale[i] for i in order[:_share_count(share, len(stale))])
+
+
+def _share_count(share: float, n: int) -> int:
+    return min(n, math.ceil(share * n - 1e-9))
+
+
+def plan_cached(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozenset()) -> CachedPlan:
     """Lay the prompt's imported blocks out contiguously in document order, arguments at
-    their slots' rows, uncached text after the blocks."""
+    their slots' rows, uncached text after the blocks. Tokens in ``recompute`` are computed
+    like uncached ones at their block rows, their fresh states replacing the cached ones."""
     schema = prompt.schema
     variants = scaffold_variants(prompt)
     blocks: list[BlockUse] = []
@@ -88,20 +177,30 @@ def plan_cached(prompt: ResolvedPrompt) -> CachedPlan:
         dead_rows.extend(range(slot_row + len(arg), slot_row + param.length))
         cached_tokens -= param.length
     text_row = row
+    recomputed_modules = {module for module, _ in recompute}
     for seg in prompt.segments:
+        token_ids, position_ids = seg.token_ids, seg.position_ids
         if seg.kind == "argument":
             param = _param(schema, seg.module, seg.param)
             slot_row = block_row[seg.module] + param.offset
-            rows = [slot_row + (p - param.start) for p in seg.position_ids]
+            rows = [slot_row + (p - param.start) for p in position_ids]
         elif seg.kind == "text":
-            rows = list(range(text_row, text_row + len(seg.token_ids)))
-            text_row += len(seg.token_ids)
+            rows = list(range(text_row, text_row + len(token_ids)))
+            text_row += len(token_ids)
+        elif seg.kind == "cached" and seg.module in recomputed_modules:
+            index = _own_index(schema, seg.module)
+            fresh = [(t, p, block_row[seg.module] + index[p]) for t, p in zip(token_ids, position_ids)
+                     if (seg.module, index[p]) in recompute]
+            if not fresh:
+                continue
+            token_ids, position_ids, rows = (list(column) for column in zip(*fresh))
         else:
             continue
-        new_tokens.extend(seg.token_ids)
-        new_positions.extend(seg.position_ids)
+        new_tokens.extend(token_ids)
+        new_positions.extend(position_ids)
         new_rows.extend(rows)
-    return CachedPlan(blocks, new_tokens, new_positions, new_rows, sorted(dead_rows), text_row, cached_tokens)
+    return CachedPlan(blocks, new_tokens, new_positions, new_rows, sorted(dead_rows), text_row,
+                      cached_tokens - len(recompute), frozenset(recomputed_modules))
 
 
 def _param(schema: Schema, module: str, name: str):
@@ -122,9 +221,13 @@ class ReferencePlan:
     """Boolean ``[n, n]``: query i may attend to key j."""
 
 
-def plan_reference(prompt: ResolvedPrompt) -> ReferencePlan:
+def plan_reference(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozenset()) -> ReferencePlan:
     """Module tokens see the own tokens of their scope at earlier-or-equal positions;
-    uncached tokens see every live token at an earlier-or-equal position."""
+    uncached tokens see every live token at an earlier-or-equal position.
+
+    A token in ``recompute`` appears twice: as a module token that is not live (what the other
+    tokens of its scope were encoded against) and, right after it, as an uncached token that
+    is (what the prompt's later uncached and recomputed tokens, and decoding, see)."""
     schema = prompt.schema
     variants = scaffold_variants(prompt)
     index = {name: i for i, name in enumerate(prompt.modules)}
@@ -137,7 +240,22 @@ def plan_reference(prompt: ResolvedPrompt) -> ReferencePlan:
     positions: list[int] = []
     live: list[bool] = []
     owner: list[int] = []
+    recomputed_modules = {module for module, _ in recompute}
     for seg in prompt.segments:
+        if seg.kind == "cached" and seg.module in recomputed_modules:
+            own = _own_index(schema, seg.module)
+            for token, position in zip(seg.token_ids, seg.position_ids):
+                fresh = (seg.module, own[position]) in recompute
+                tokens.append(token)
+                positions.append(position)
+                live.append(not fresh)
+                owner.append(index[seg.module])
+                if fresh:
+                    tokens.append(token)
+                    positions.append(position)
+                    live.append(True)
+                    owner.append(-1)
+            continue
         module_owned = seg.kind in ("cached", "slot")
         tokens.extend(seg.token_ids)
         positions.extend(seg.position_ids)
