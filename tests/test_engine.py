@@ -202,11 +202,12 @@ def test_bf16_cached_matches_reference(tokenizer):
 
 
 def test_unsupported_model_is_a_clear_error(tokenizer):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import RwkvConfig, RwkvForCausalLM
 
     from pckernels import UnsupportedModelError
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
+    model = RwkvForCausalLM(RwkvConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16,
+                                       intermediate_size=32, context_length=64))
     with pytest.raises(UnsupportedModelError, match="llama"):
         PromptCache(model, tokenizer)
 

@@ -4,17 +4,31 @@ An adapter answers four questions for the engine: how position ids reach the mod
 the KV cache is laid out (layers, real KV-head count, head dim), how an attention mask is
 taken, and how a forward over some tokens with a promptcache-owned cache is called. The
 engine, kernels and stores stay family-agnostic.
+
+The base :class:`ModelAdapter` covers every family whose positions enter only through
+``position_ids`` (RoPE, learned absolute embeddings) and whose model takes a prepared 4D
+additive mask, or a ``{layer_type: mask}`` dict for models with per-layer sliding windows.
+Sliding windows are applied here, by schema position. Families that need more (ALiBi,
+unusual cache layouts) live in :mod:`pckernels.integration.families`, each a small subclass.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import inspect
+import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from pckernels.errors import UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+SLIDING = "sliding_attention"
+"""HF's ``config.layer_types`` entry for layers attending within ``config.sliding_window``."""
 
 
 @dataclass(frozen=True)
@@ -40,33 +54,100 @@ class KVLayout:
     head_dim: int
 
 
+def windowed_bias(spec: AttentionSpec, window: int | None) -> torch.Tensor:
+    """``spec.bias [q, kv]`` restricted to keys less than ``window`` positions behind the query
+    (HF's sliding-window rule ``query_pos - key_pos < window``, applied to schema positions)."""
+    if window is None:
+        return spec.bias
+    inside = (spec.query_pos[:, None] - spec.key_pos[None, :]) < window
+    return spec.bias.masked_fill(~inside, float("-inf"))
+
+
+def alibi_bias(slopes: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """ALiBi from positions (the paper's lookup table): ``slopes [H]`` times
+    ``key_pos - query_pos`` -> ``[H, q, kv]`` in ``dtype``. Keys carry no position under ALiBi,
+    so this is the only place their schema positions enter attention."""
+    distance = (key_pos[None, :] - query_pos[:, None]).to(torch.float32)
+    return (slopes.to(torch.float32)[:, None, None] * distance[None]).to(dtype)
+
+
+@contextlib.contextmanager
+def replaced(owner: object, name: str, replacement: object) -> Iterator[None]:
+    """Temporarily set ``owner.name`` to ``replacement`` (an instance attribute shadowing a
+    method, or a module global looked up at call time); the original is restored on exit."""
+    missing = object()
+    saved = owner.__dict__.get(name, missing) if hasattr(owner, "__dict__") else missing
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        if saved is missing:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, saved)
+
+
 class ModelAdapter:
-    """Adapter for decoder-only models whose attention layers take explicit ``position_ids``,
-    a 4D additive float mask ``[1, 1, q, kv]`` and a ``Cache`` whose ``update`` returns the
-    full key/value states (RoPE Llama-family models)."""
+    """Adapter for decoder-only models whose positions enter through ``position_ids`` and whose
+    attention takes a prepared 4D additive float mask ``[1, 1, q, kv]`` (or a dict of them per
+    layer type) and a ``Cache`` whose ``update`` returns the full key/value states.
+
+    Subclasses override what differs: :meth:`kv_layout`, :meth:`max_positions`,
+    :meth:`attention_mask`, and :meth:`forward_context` for patches that must hold while the
+    model runs with a promptcache attention (never in baseline mode).
+    """
 
     families: tuple[str, ...] = ()
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.config = model.config
+        self.text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+            else model.config
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._takes_logits_to_keep = "logits_to_keep" in params
+        self.windows = self._layer_windows()
+
+    def _layer_windows(self) -> dict[str, int | None] | int | None:
+        """Sliding windows: ``{layer_type: window or None}`` when the model has sliding layer types
+        and takes one mask per type; else one window for every layer (Mistral-style) or None."""
+        cfg = self.text_config
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None:
+            if SLIDING not in layer_types:
+                return None
+            return {t: cfg.sliding_window if t == SLIDING else None for t in set(layer_types)}
+        return getattr(cfg, "sliding_window", None)
 
     def kv_layout(self) -> KVLayout:
-        cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        cfg = self.text_config
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim)
 
     def max_positions(self) -> int | None:
-        return getattr(self.config, "max_position_embeddings", None)
+        """Positions the model can take. RoPE whose frequencies depend on the forward's largest
+        position (``longrope``) is limited to its original length, where they stay fixed."""
+        limit = getattr(self.text_config, "max_position_embeddings", None)
+        for params in _rope_parameter_sets(self.text_config):
+            original = params.get("original_max_position_embeddings")
+            if params.get("rope_type") == "longrope" and original:
+                limit = original if limit is None else min(limit, original)
+        return limit
 
     def attention_mask(self, spec: AttentionSpec):
-        """What the model takes as ``attention_mask`` for ``spec``: here a 4D additive mask."""
-        return spec.bias[None, None]
+        """What the model takes as ``attention_mask`` for ``spec``: a 4D additive mask
+        ``[1, 1, q, kv]``, or ``{layer_type: mask}`` with sliding windows applied by position."""
+        if isinstance(self.windows, dict):
+            return {kind: windowed_bias(spec, window)[None, None] for kind, window in self.windows.items()}
+        return windowed_bias(spec, self.windows)[None, None]
+
+    def forward_context(self, attention: AttentionSpec) -> contextlib.AbstractContextManager:
+        """Patches in force while the model runs with ``attention`` (none by default)."""
+        return contextlib.nullcontext()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention: AttentionSpec | None,
                 cache, *, last_logits_only: bool = True) -> torch.Tensor:
@@ -76,19 +157,28 @@ class ModelAdapter:
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if self._takes_logits_to_keep and last_logits_only:
             kwargs["logits_to_keep"] = 1
-        mask = None if attention is None else self.attention_mask(attention)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **kwargs)
+        if attention is None:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        else:
+            with self.forward_context(attention):
+                out = self.model(input_ids=input_ids, position_ids=position_ids,
+                                 attention_mask=self.attention_mask(attention), **kwargs)
         logits = out.logits[0]
         return logits[-1:] if last_logits_only else logits
 
 
-class LlamaFamilyAdapter(ModelAdapter):
-    families = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2")
+def _rope_parameter_sets(config) -> list[dict]:
+    """The RoPE parameter dicts of ``config`` (one, or one per layer type); empty if none."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return []
+    if all(isinstance(v, dict) for v in params.values()) and params:
+        return list(params.values())
+    return [params]
 
 
-_ADAPTERS: dict[str, Callable[[torch.nn.Module], ModelAdapter]] = {
-    family: LlamaFamilyAdapter for family in LlamaFamilyAdapter.families
-}
+_ADAPTERS: dict[str, Callable[[torch.nn.Module], ModelAdapter]] = {}
+_FAMILY_MODULES = ("position_ids", "falcon", "alibi")
 
 
 def register_adapter(adapter: type[ModelAdapter]) -> type[ModelAdapter]:
@@ -98,12 +188,19 @@ def register_adapter(adapter: type[ModelAdapter]) -> type[ModelAdapter]:
     return adapter
 
 
+def _load_families() -> None:
+    for name in _FAMILY_MODULES:
+        importlib.import_module(f"pckernels.integration.families.{name}")
+
+
 def supported_families() -> tuple[str, ...]:
+    _load_families()
     return tuple(sorted(_ADAPTERS))
 
 
 def adapter_for(model: torch.nn.Module) -> ModelAdapter:
     """The adapter for ``model``'s family, or ``UnsupportedModelError`` naming the supported ones."""
+    _load_families()
     model_type = getattr(model.config, "model_type", None)
     try:
         factory = _ADAPTERS[model_type]
@@ -111,4 +208,6 @@ def adapter_for(model: torch.nn.Module) -> ModelAdapter:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported; supported families: {', '.join(supported_families())}"
         ) from None
-    return factory(model)
+    adapter = factory(model)
+    log.debug("model type %r driven by %s", model_type, type(adapter).__name__)
+    return adapter

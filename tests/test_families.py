@@ -1,0 +1,176 @@
+"""Model families through the adapter interface: the engine oracle on a tiny random model per family.
+
+Per family: cached == reference (fp32 first-logits max-abs <= 1e-3, identical greedy tokens) on prompts
+with position gaps (a union member, an unimported nested module) and parameter slots; baseline differs
+when modules are masked; the adapter with a plain causal spec reproduces the model's own forward (so
+windows, ALiBi slopes and mask conventions match HF's); positions, not row order, drive attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from family_models import BY_NAME, FAMILIES, WINDOW
+from pckernels import PMLError, UnsupportedModelError
+from pckernels.engine import PromptCache
+from pckernels.engine.plan import plan_cached
+from pckernels.integration.adapters import AttentionSpec, adapter_for, supported_families, windowed_bias
+from test_engine import PROMPTS, SCHEMA
+
+FP32_TOL = 1e-3
+NEW_TOKENS = 3
+ORACLE_PROMPTS = ("nested-some", "everything")
+"""Both leave position gaps (an unimported nested module; a union member without its sibling) and
+fill parameter slots with arguments shorter than the slot (dead slot rows)."""
+
+_caches: dict[str, PromptCache] = {}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from pckernels.integration.embedded import load_tokenizer
+
+    return load_tokenizer()
+
+
+def prompt_cache(name: str, tokenizer) -> PromptCache:
+    """One PromptCache with the engine tests' schema per family, built on first use."""
+    if name not in _caches:
+        pc = PromptCache(BY_NAME[name].build(len(tokenizer)), tokenizer)
+        pc.add_schema(SCHEMA)
+        _caches[name] = pc
+    return _caches[name]
+
+
+def causal_spec(positions: torch.Tensor, dtype=torch.float32) -> AttentionSpec:
+    bias = torch.zeros(len(positions), len(positions), dtype=dtype)
+    bias.masked_fill_(positions[None, :] > positions[:, None], float("-inf"))
+    return AttentionSpec(bias, positions, positions)
+
+
+def run_adapter(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """All-token logits ``[n, vocab]`` of ``ids [1, n]`` at ``positions [n]`` through the adapter."""
+    adapter = adapter_for(model)
+    with torch.inference_mode():
+        return adapter.forward(ids, positions[None], causal_spec(positions), DynamicCache(config=model.config),
+                               last_logits_only=False)
+
+
+FAMILY_NAMES = [f.name for f in FAMILIES]
+
+
+@pytest.mark.parametrize("prompt", ORACLE_PROMPTS)
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_cached_matches_reference(tokenizer, family, prompt):
+    pc = prompt_cache(family, tokenizer)
+    ref = pc.generate(PROMPTS[prompt], mode="reference", max_new_tokens=NEW_TOKENS)
+    got = pc.generate(PROMPTS[prompt], mode="cached", max_new_tokens=NEW_TOKENS)
+    assert got.positions == ref.positions
+    assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
+    assert got.token_ids == ref.token_ids
+
+
+def test_oracle_prompts_have_gaps_and_slots(tokenizer):
+    pc = prompt_cache("llama", tokenizer)
+    for prompt in ("nested-some", "everything"):
+        positions = pc.resolve(PROMPTS[prompt]).position_ids
+        assert list(positions) != list(range(positions[0], positions[0] + len(positions)))
+        plan = plan_cached(pc.resolve(PROMPTS[prompt]))
+        block_rows = sum(block.n_rows for block in plan.blocks)
+        assert plan.dead_rows and plan.new_rows[0] < block_rows, "arguments fill slots inside blocks"
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_masking_is_in_effect(tokenizer, family):
+    pc = prompt_cache(family, tokenizer)
+    base = pc.generate(PROMPTS["everything"], mode="baseline", max_new_tokens=1)
+    got = pc.generate(PROMPTS["everything"], mode="cached", max_new_tokens=1)
+    assert base.prompt_token_ids == got.prompt_token_ids
+    assert (base.first_logits - got.first_logits).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_adapter_reproduces_the_model_on_a_causal_prompt(tokenizer, family):
+    """Contiguous positions and a causal spec through the adapter == the model's own forward, over
+    more tokens than any window: windows, ALiBi and mask conventions agree with HF's."""
+    model = prompt_cache(family, tokenizer).model
+    ids = torch.randint(0, len(tokenizer), (1, 3 * (BY_NAME[family].window or WINDOW)), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits[0]
+    got = run_adapter(model, ids, torch.arange(ids.shape[1]))
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_attention_follows_positions_not_rows(tokenizer, family):
+    """The same tokens with a position gap give other logits; shifted as a whole they give the same
+    (relative schemes: RoPE, ALiBi) — positions, not sequence order, reach attention."""
+    model = prompt_cache(family, tokenizer).model
+    n = 2 * WINDOW
+    ids = torch.randint(0, len(tokenizer), (1, n), generator=torch.Generator().manual_seed(2))
+    plain = run_adapter(model, ids, torch.arange(n))
+    gapped = run_adapter(model, ids, torch.cat([torch.arange(n // 2), torch.arange(n // 2) + n]))
+    assert (plain - gapped).abs().max().item() > 1e-2
+    if BY_NAME[family].relative:
+        shifted = run_adapter(model, ids, torch.arange(n) + 37)
+        assert (plain - shifted).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.window])
+def test_window_is_by_position(tokenizer, family):
+    """Sliding layers see a key only while ``query_pos - key_pos < window``, with gaps counted."""
+    adapter = prompt_cache(family, tokenizer).adapter
+    window = BY_NAME[family].window
+    positions = torch.cat([torch.arange(5), torch.arange(5) + window - 2])
+    spec = causal_spec(positions)
+    mask = adapter.attention_mask(spec)
+    masks = mask.values() if isinstance(mask, dict) else [mask]
+    windowed = [m for m in masks if not torch.equal(m[0, 0], spec.bias)]
+    assert len(windowed) == 1
+    visible = torch.isfinite(windowed[0][0, 0])
+    distance = positions[:, None] - positions[None, :]
+    assert torch.equal(visible, (distance >= 0) & (distance < window))
+    assert torch.equal(windowed_bias(spec, None), spec.bias)
+
+
+def test_gemma3_module_longer_than_window(tokenizer):
+    pc = prompt_cache("gemma3", tokenizer)
+    schema = pc.schemas["guide"]
+    assert max(len(m.token_ids) for m in schema.modules.values()) > 2 * WINDOW
+    assert not any(pc._cache.is_sliding)
+    windows = pc.adapter.attention_mask(causal_spec(torch.arange(3)))
+    assert set(windows) == {"sliding_attention", "full_attention"}
+
+
+def test_kv_layout_matches_what_the_model_caches(tokenizer):
+    for name in ("falcon", "falcon-new", "falcon-alibi", "mpt", "bloom", "gpt2", "gemma3"):
+        pc = prompt_cache(name, tokenizer)
+        cache = DynamicCache(config=pc.model.config)
+        with torch.inference_mode():
+            pc.model(input_ids=torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
+        keys = cache.layers[0].keys
+        layout = pc.adapter.kv_layout()
+        assert keys.shape == (1, layout.num_kv_heads, 3, layout.head_dim), name
+
+
+def test_gpt2_schema_must_fit_n_positions(tokenizer):
+    small = BY_NAME["gpt2"].build(len(tokenizer))
+    small.config.n_positions = 64
+    pc = PromptCache(small, tokenizer)
+    assert pc.adapter.max_positions() == 64
+    with pytest.raises(PMLError, match="64"):
+        pc.add_schema(SCHEMA)
+
+
+def test_unsupported_family_names_the_supported_ones(tokenizer):
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    model = RwkvForCausalLM(RwkvConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16,
+                                       intermediate_size=32, context_length=64))
+    with pytest.raises(UnsupportedModelError) as err:
+        PromptCache(model, tokenizer)
+    for family in ("llama", "gemma3_text", "falcon", "mpt", "bloom", "gpt2"):
+        assert family in str(err.value)
+        assert family in supported_families()
