@@ -149,7 +149,7 @@ def test_kv_layout_matches_what_the_model_caches(tokenizer):
         pc = prompt_cache(name, tokenizer)
         cache = DynamicCache(config=pc.model.config)
         with torch.inference_mode():
-            pc.model(input_ids=torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
+            pc.adapter.forward(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], None, cache)
         keys = cache.layers[0].keys
         layout = pc.adapter.kv_layout()
         assert keys.shape == (1, layout.num_kv_heads, 3, layout.head_dim), name
@@ -174,3 +174,16 @@ def test_unsupported_family_names_the_supported_ones(tokenizer):
     for family in ("llama", "gemma3_text", "falcon", "mpt", "bloom", "gpt2"):
         assert family in str(err.value)
         assert family in supported_families()
+
+
+def test_longrope_is_limited_to_its_original_length(tokenizer):
+    """Longrope switches every frequency once a forward's largest position passes the original
+    length, so blocks encoded below it would not match: the adapter stops there."""
+    from family_models import Family
+
+    rope = dict(rope_type="longrope", rope_theta=10000.0, long_factor=[2.0] * 4, short_factor=[1.0] * 4,
+                original_max_position_embeddings=64)
+    family = Family("phi3-longrope", "Phi3Config", dict(BY_NAME["phi3"].kwargs, rope_parameters=rope,
+                                                        original_max_position_embeddings=64))
+    assert adapter_for(family.build(len(tokenizer))).max_positions() == 64
+    assert prompt_cache("llama-dynamic", tokenizer).adapter.max_positions() == 2048
