@@ -12,8 +12,8 @@ from pckernels.integration.adapters import ModelAdapter, register_adapter
 class LlamaFamilyAdapter(ModelAdapter):
     """RoPE decoders taking ``position_ids``, a 4D mask (or per-layer-type dict) and a ``Cache``."""
 
-    families = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gemma3_text", "gemma2", "gemma",
-                "phi3", "starcoder2", "gpt_neox", "cohere", "phi", "stablelm", "granite")
+    families = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gemma3_text", "gemma2", "phi3",
+                "starcoder2", "gpt_neox", "cohere")
 
 
 @register_adapter
