@@ -30,7 +30,7 @@ class CostModel:
 
 
 class EvictionPolicy(Protocol):
-    def admit(self, key: Hashable, size: int) -> None: ...
+    def admit(self, key: Hashable, size: int, hits: int = 1) -> None: ...
 
     def touch(self, key: Hashable) -> None: ...
 
@@ -46,7 +46,7 @@ class LRUPolicy:
     def __init__(self) -> None:
         self._order: OrderedDict[Hashable, None] = OrderedDict()
 
-    def admit(self, key: Hashable, size: int) -> None:
+    def admit(self, key: Hashable, size: int, hits: int = 1) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
@@ -80,8 +80,8 @@ class GreedyDualSizePolicy:
             self._heap = [(p, s, k) for k, (p, _, _, s) in self._entries.items()]
             heapq.heapify(self._heap)
 
-    def admit(self, key: Hashable, size: int) -> None:
-        self._push(key, size, 1)
+    def admit(self, key: Hashable, size: int, hits: int = 1) -> None:
+        self._push(key, size, hits)
 
     def touch(self, key: Hashable) -> None:
         _, size, hits, _ = self._entries[key]

@@ -45,7 +45,7 @@ DEFAULT_DISK_BUDGET = 20 * GiB
 REFILL_COST = {
     "device-cuda": CostModel(20e-6, 12e9),
     "device-cpu": CostModel(1e-6, 20e9),
-    "host": CostModel(300e-6, 400e6),
+    "host": CostModel(50e-6, 400e6),
     "disk": CostModel(20e-3, 50e6),
 }
 """Rough seconds to bring a block back into each tier from the one below (host <- disk is a
@@ -94,10 +94,10 @@ class MemoryTier:
     def free(self) -> int:
         return self.budget - self.nbytes
 
-    def add(self, key: BlockKey, block: torch.Tensor) -> None:
+    def add(self, key: BlockKey, block: torch.Tensor, hits: int = 1) -> None:
         self.blocks[key] = block
         self.nbytes += nbytes_of(block)
-        self.policy.admit(key, nbytes_of(block))
+        self.policy.admit(key, nbytes_of(block), hits)
 
     def pop(self, key: BlockKey) -> torch.Tensor:
         block = self.blocks.pop(key)
@@ -144,6 +144,8 @@ class TieredStore:
         self._copy_done: dict[BlockKey, torch.cuda.Event] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._loading: dict[BlockKey, Future] = {}
+        self._uses: dict[BlockKey, int] = {}
+        """``get`` calls per key, carried across tiers so a block keeps its frequency when it moves."""
 
     # -- the engine's interface -------------------------------------------------------------
 
@@ -156,6 +158,7 @@ class TieredStore:
         """The block ``[L, 2, H, n, D]`` on the store's device, moved up to the device tier; ``None``
         if no tier holds a usable copy."""
         self._collect_loads()
+        self._uses[key] = self._uses.get(key, 0) + 1
         if key in self.device_tier:
             self.device_tier.hits += 1
             self.device_tier.policy.touch(key)
@@ -263,7 +266,7 @@ class TieredStore:
             victim = tier.policy.victim()
             tier.evictions += 1
             self._add_host(victim, self._to_host(self._usable(victim, tier.pop(victim))))
-        tier.add(key, block)
+        tier.add(key, block, self._uses.get(key, 1))
 
     def _add_host(self, key: BlockKey, block: torch.Tensor) -> None:
         size = nbytes_of(block)
@@ -275,7 +278,7 @@ class TieredStore:
             victim = tier.policy.victim()
             tier.evictions += 1
             self._drop(victim, tier.pop(victim))
-        tier.add(key, block)
+        tier.add(key, block, self._uses.get(key, 1))
 
     def _drop(self, key: BlockKey, block: torch.Tensor) -> None:
         """``key`` leaves memory: make sure the disk tier has it, else it is lost."""
@@ -336,5 +339,5 @@ class TieredStore:
             if block is None or key in self.device_tier or key in self.host_tier:
                 continue
             if nbytes_of(block) <= self.host_tier.free():
-                self.host_tier.add(key, block)
+                self.host_tier.add(key, block, self._uses.get(key, 1))
                 self.prefetched += 1
