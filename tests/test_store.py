@@ -7,6 +7,7 @@ Same tiny random Llama, schema and prompts as ``test_engine`` (exactness needs n
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 
 import pytest
@@ -106,6 +107,32 @@ def test_restart_loads_from_disk_instead_of_encoding(model, tokenizer, expected,
     stats = restarted.stats()
     assert stats["encodes"] == 0 and stats["disk"]["writes"] == 0
     assert stats["disk"]["loads"] > 0 and stats["disk"]["discarded"] == 0
+
+
+def _encode_in_child(model, tokenizer, store_dir, barrier) -> None:
+    torch.set_num_threads(1)
+    barrier.wait()
+    pc = PromptCache(model, tokenizer, store_dir=store_dir)
+    pc.add_schema(SCHEMA)
+    for name in ORDER:
+        pc.generate(PROMPTS[name], max_new_tokens=1)
+
+
+def test_two_processes_encoding_into_one_directory(model, tokenizer, expected, tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    children = [ctx.Process(target=_encode_in_child, args=(model, tokenizer, tmp_path, barrier)) for _ in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(timeout=120)
+        assert child.exitcode == 0
+    restarted = PromptCache(model, tokenizer, store_dir=tmp_path)
+    restarted.add_schema(SCHEMA)
+    run_all(restarted, expected, rounds=1)
+    stats = restarted.stats()
+    assert stats["encodes"] == 0 and stats["disk"]["discarded"] == 0
+    assert not list(tmp_path.rglob(".tmp-*"))
 
 
 def test_other_model_never_receives_these_blocks(model, tokenizer, tmp_path):
