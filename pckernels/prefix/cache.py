@@ -67,7 +67,7 @@ class PrefixCache:
     ``budget_bytes``: bytes of stored states kept before least-recently-used blocks are evicted.
     ``strict``: raise :class:`~pckernels.errors.UnsupportedModelError` at construction when the
     model's states cannot be restored exactly; otherwise reuse is refused with a logged warning
-    and every call computes the full prompt (results report ``mode="uncached"``).
+    and every call computes the full prompt in one pass (results report ``mode="uncached"``).
 
     Construction runs a small self-check on random tokens: a chunked prefill must agree with a
     one-pass prefill (the model really continues from its cached state), and a prefill resumed
@@ -159,8 +159,11 @@ class PrefixCache:
             self._store.clear()
 
     def _prefill_uncached(self, ids: torch.Tensor) -> _Prefill:
+        """Prefill without the store: in ``chunk_size`` pieces, or in one pass when reuse is refused
+        (a refused model may not continue a prefill from its cache, so chunking could change it)."""
         cache = self._states.new_cache()
-        logits = self._run_chunks(ids, cache, 0, self.chunk_size)
+        chunk = self.chunk_size if self.refusal is None else ids.shape[1]
+        logits = self._run_chunks(ids, cache, 0, chunk)
         return _Prefill(logits, cache, 0)
 
     def _prefill_reusing(self, prompt_ids: list[int], ids: torch.Tensor) -> _Prefill:
