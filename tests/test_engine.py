@@ -228,3 +228,14 @@ def test_embedded_model_demo_schema_is_exact():
         assert got.token_ids == ref.token_ids
         assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
         assert got.text.strip()
+
+
+def test_model_fingerprint_sees_middle_layers(tokenizer):
+    from pckernels.engine.core import model_fingerprint
+
+    a = tiny_llama(len(tokenizer), layers=3)
+    b = tiny_llama(len(tokenizer), layers=3)
+    assert model_fingerprint(a, torch.float32) == model_fingerprint(b, torch.float32)
+    with torch.no_grad():
+        b.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
+    assert model_fingerprint(a, torch.float32) != model_fingerprint(b, torch.float32)

@@ -47,13 +47,17 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype) -> str:
-    """Identity of a model for cache keys: its config, dtype and a sample of its weights."""
+def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype, samples_per_tensor: int = 1024) -> str:
+    """Identity of a model for cache keys: its config, dtype and a strided sample of every
+    parameter (name, shape and up to ``samples_per_tensor`` values spread over the tensor), so
+    two fine-tunes that differ in any layer get different keys."""
     h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
     h.update(str(dtype).encode())
-    for _, param in list(model.named_parameters())[:2] + list(model.named_parameters())[-1:]:
-        sample = param.detach().reshape(-1)[:4096].float().cpu()
-        h.update(sample.numpy().tobytes())
+    for name, param in model.named_parameters():
+        flat = param.detach().reshape(-1)
+        stride = max(1, flat.numel() // samples_per_tensor)
+        h.update(f"{name}:{tuple(param.shape)}".encode())
+        h.update(flat[::stride][:samples_per_tensor].float().cpu().numpy().tobytes())
     return h.hexdigest()[:32]
 
 
