@@ -1,0 +1,311 @@
+"""Fidelity evaluation: does modular reuse keep answers right, and what restores them?
+
+Every question is answered under each condition on the same prompt tokens:
+
+* ``baseline``: plain causal prefill, contiguous positions (what you get without promptcache);
+* ``prefix``: exact prefix reuse (``PrefixCache``) of the same token ids; equal to baseline by
+  construction up to the chunked prefill's float rounding;
+* ``independent``: Prompt Cache, each document encoded on its own (the paper);
+* ``scaffold`` (cross-document questions): the two documents the question needs encoded jointly;
+* ``first@s`` / ``deviation@s``: independent modules with a share ``s`` of the stale module
+  tokens recomputed over the assembled cache (``PromptCache.generate(recompute=...)``).
+
+Scores per condition and question kind: exact match, token F1, answer recall ("contains"),
+greedy agreement with baseline (identical generated tokens), first-token agreement, mean KL
+divergence of the first-token distribution from baseline's, TTFT and computed tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from perf.fidelity import dataset as ds
+from perf.fidelity.scoring import contains_answer, exact_match, first_token_kl, token_f1
+
+RESULTS_ROOT = Path(__file__).resolve().parents[1] / "results"
+DEFAULT_SHARES = (0.1, 0.25, 0.5, 1.0)
+DEFAULT_POLICIES = ("first", "deviation")
+KINDS = ("single", "cross")
+
+
+@dataclass(frozen=True)
+class Condition:
+    name: str
+    kind: str
+    """``baseline``, ``prefix``, ``independent``, ``scaffold`` or ``recompute``."""
+    share: float = 0.0
+    policy: str = ""
+
+    def applies_to(self, question: ds.Question) -> bool:
+        return self.kind != "scaffold" or question.kind == "cross"
+
+
+def conditions(shares: tuple[float, ...], policies: tuple[str, ...]) -> list[Condition]:
+    """The conditions in run order; share 1 runs once (every policy recomputes all stale tokens)."""
+    out = [Condition("baseline", "baseline"), Condition("prefix", "prefix"),
+           Condition("independent", "independent"), Condition("scaffold", "scaffold")]
+    for policy in policies:
+        for share in shares:
+            if share >= 1.0 and policy != policies[0]:
+                continue
+            out.append(Condition(f"{policy}@{share:g}", "recompute", share, policy))
+    return out
+
+
+@dataclass
+class Record:
+    question: str
+    kind: str
+    condition: str
+    text: str
+    em: float
+    f1: float
+    contains: float
+    ttft_s: float
+    computed_tokens: int
+    agree: float = 1.0
+    first_agree: float = 1.0
+    kl: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def select_questions(data: ds.Dataset, limit: int | None) -> list[ds.Question]:
+    """All questions, or ``limit`` of each kind spread evenly over the set; in bundle order."""
+    chosen: list[ds.Question] = []
+    for kind in KINDS:
+        pool = [q for q in data.questions if q.kind == kind]
+        if limit is not None and limit < len(pool):
+            pool = [pool[round(i * len(pool) / limit)] for i in range(limit)]
+        chosen += pool
+    return sorted(chosen, key=lambda q: (data.bundle_of(q), q.id))
+
+
+def _machine() -> str:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return f"{device}-{platform.machine()}-{torch.get_num_threads()}t"
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    """Run the evaluation; returns the report (summary, per-question records, settings)."""
+    from pckernels import PromptCache
+    from pckernels.prefix import PrefixCache
+
+    torch.set_num_threads(args.threads)
+    data = ds.load()
+    questions = select_questions(data, args.limit)
+    conds = conditions(tuple(args.shares), tuple(args.policies))
+    stop = ["\n"]
+    t0 = time.perf_counter()
+    cache = PromptCache.from_pretrained(args.model, store_dir=False, device_budget="8GiB")
+    prefix = PrefixCache(cache.model, cache.tokenizer)
+    print(f"loaded {cache.name} in {time.perf_counter() - t0:.1f} s; {len(questions)} questions, "
+          f"{len(conds)} conditions", flush=True)
+
+    setup: dict[str, float] = {}
+    for bundle in sorted({data.bundle_of(q) for q in questions}):
+        t0 = time.perf_counter()
+        schema = cache.add_schema(ds.bundle_schema(data, bundle))
+        setup[f"encode {schema.name}"] = time.perf_counter() - t0
+        if any(c.policy == "deviation" for c in conds):
+            t0 = time.perf_counter()
+            cache.deviation.for_schema(schema)
+            setup[f"deviation {schema.name}"] = time.perf_counter() - t0
+    for question in questions:
+        if question.kind == "cross":
+            t0 = time.perf_counter()
+            schema = cache.add_schema(ds.bundle_schema(data, data.bundle_of(question), question.docs))
+            setup[f"encode {schema.name}"] = time.perf_counter() - t0
+    warm = ds.prompt(data, questions[0])
+    for mode in ("baseline", "cached"):
+        cache.generate(warm, mode=mode, max_new_tokens=2)
+
+    records: list[Record] = []
+    for number, question in enumerate(questions, 1):
+        resolved = cache.resolve(ds.prompt(data, question))
+        base_result = None
+        for cond in conds:
+            if not cond.applies_to(question):
+                continue
+            result = _generate(cache, prefix, data, question, resolved, cond, args.max_new_tokens, stop)
+            if cond.kind == "scaffold" and result.prompt_token_ids != list(resolved.token_ids):
+                raise RuntimeError(f"{question.id}: the scaffold prompt reads different tokens")
+            record = Record(question.id, question.kind, cond.name, result.text,
+                            exact_match(result.text, question.answers), token_f1(result.text, question.answers),
+                            contains_answer(result.text, question.answers), result.ttft_s, result.computed_tokens)
+            if base_result is None:
+                base_result = result
+            else:
+                record.agree = float(result.token_ids == base_result.token_ids)
+                record.first_agree = float(result.token_ids[0] == base_result.token_ids[0])
+                record.kl = first_token_kl(base_result.first_logits, result.first_logits)
+                if cond.kind == "prefix":
+                    record.extra["max_abs_logit_diff"] = float(
+                        (result.first_logits - base_result.first_logits).abs().max())
+            records.append(record)
+        line = "  ".join(f"{r.condition}={r.contains:.0f}" for r in records if r.question == question.id)
+        print(f"[{number}/{len(questions)}] {question.id} {line} | baseline: {base_result.text!r}", flush=True)
+
+    return {
+        "settings": {"model": cache.name, "machine": args.machine, "threads": args.threads,
+                     "questions": len(questions), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+                     "shares": list(args.shares), "policies": list(args.policies), "stop": stop,
+                     "torch": torch.__version__, "python": platform.python_version()},
+        "setup_s": setup,
+        "summary": summarize(records, conds),
+        "records": [r.__dict__ for r in records],
+    }
+
+
+def _generate(cache, prefix, data, question, resolved, cond: Condition, max_new_tokens: int, stop):
+    if cond.kind == "baseline":
+        return cache.generate(resolved, mode="baseline", max_new_tokens=max_new_tokens, stop=stop)
+    if cond.kind == "prefix":
+        return prefix.complete(list(resolved.token_ids), max_new_tokens=max_new_tokens, stop=stop)
+    if cond.kind == "scaffold":
+        return cache.generate(ds.prompt(data, question, scaffold=True), max_new_tokens=max_new_tokens, stop=stop)
+    return cache.generate(resolved, max_new_tokens=max_new_tokens, stop=stop, recompute=cond.share,
+                          recompute_policy=cond.policy or "first")
+
+
+def summarize(records: list[Record], conds: list[Condition]) -> dict:
+    """``{kind: {condition: metrics}}`` for ``single``, ``cross`` and ``all``."""
+    out: dict[str, dict] = {}
+    for kind in (*KINDS, "all"):
+        rows = {}
+        for cond in conds:
+            chosen = [r for r in records if r.condition == cond.name and (kind == "all" or r.kind == kind)]
+            if not chosen:
+                continue
+            rows[cond.name] = {
+                "n": len(chosen),
+                "share": cond.share, "policy": cond.policy, "type": cond.kind,
+                "em": 100 * statistics.fmean(r.em for r in chosen),
+                "f1": 100 * statistics.fmean(r.f1 for r in chosen),
+                "contains": 100 * statistics.fmean(r.contains for r in chosen),
+                "agree": 100 * statistics.fmean(r.agree for r in chosen),
+                "first_agree": 100 * statistics.fmean(r.first_agree for r in chosen),
+                "kl": statistics.fmean(r.kl for r in chosen),
+                "ttft_median_ms": 1e3 * statistics.median(r.ttft_s for r in chosen),
+                "ttft_mean_ms": 1e3 * statistics.fmean(r.ttft_s for r in chosen),
+                "computed_tokens": statistics.fmean(r.computed_tokens for r in chosen),
+            }
+        out[kind] = rows
+    return out
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"# Fidelity: {s['model']} on {s['machine']}", "",
+             f"{s['questions']} questions (limit {s['limit']}), greedy, up to {s['max_new_tokens']} new tokens, "
+             f"stop at a newline. EM / F1 / contains in %; agree: identical generated tokens as baseline; "
+             f"first: same first token; KL: mean KL(baseline || condition) of the first-token distribution "
+             f"(nats); TTFT median; computed: prompt tokens computed per question.", ""]
+    for kind in (*KINDS, "all"):
+        rows = report["summary"].get(kind, {})
+        if not rows:
+            continue
+        lines += [f"## {kind} ({next(iter(rows.values()))['n']} questions)", "",
+                  "| condition | EM | F1 | contains | agree | first | KL | TTFT ms | computed |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, m in rows.items():
+            lines.append(f"| {name} | {m['em']:.1f} | {m['f1']:.1f} | {m['contains']:.1f} | {m['agree']:.1f} | "
+                         f"{m['first_agree']:.1f} | {m['kl']:.3f} | {m['ttft_median_ms']:.0f} | "
+                         f"{m['computed_tokens']:.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Accuracy (contains and F1) vs median TTFT per kind, recompute sweeps as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in KINDS if report["summary"].get(k)]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.8), squeeze=False)
+    markers = {"baseline": ("k", "s"), "prefix": ("tab:gray", "D"), "independent": ("tab:red", "o"),
+               "scaffold": ("tab:green", "*")}
+    for ax, kind in zip(axes[0], kinds):
+        rows = report["summary"][kind]
+        for name, (colour, marker) in markers.items():
+            if name in rows:
+                ax.scatter(rows[name]["ttft_median_ms"], rows[name]["contains"], c=colour, marker=marker, s=80,
+                           label=name, zorder=3)
+        for policy, colour in (("first", "tab:blue"), ("deviation", "tab:purple")):
+            sweep = sorted((m["share"], m) for m in rows.values() if m["policy"] == policy)
+            if not sweep:
+                continue
+            points = [(0.0, rows["independent"])] + sweep if "independent" in rows else sweep
+            ax.plot([m["ttft_median_ms"] for _, m in points], [m["contains"] for _, m in points], "-o",
+                    c=colour, label=f"recompute {policy}")
+            for share, m in sweep:
+                ax.annotate(f"{share:g}", (m["ttft_median_ms"], m["contains"]), textcoords="offset points",
+                            xytext=(4, -10), fontsize=8, color=colour)
+        ax.set_xscale("log")
+        ax.set_xlabel("median TTFT (ms, log)")
+        ax.set_ylabel("answer contained (%)")
+        ax.set_title(f"{kind}-document questions (n={next(iter(rows.values()))['n']})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Fidelity vs TTFT, {report['settings']['model']} ({report['settings']['machine']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(report: dict, out_dir: Path) -> list[Path]:
+    """``fidelity[-<n>q].{json,md,png}`` under ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    limit = report["settings"]["limit"]
+    stem = "fidelity" if limit is None else f"fidelity-{report['settings']['questions']}q"
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
+    paths[0].write_text(json.dumps(report, indent=1), encoding="utf-8")
+    paths[1].write_text(markdown(report), encoding="utf-8")
+    plot(report, paths[2])
+    return paths
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m perf.fidelity", description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=None, help="Questions of each kind (default: all).")
+    ap.add_argument("--quick", action="store_true",
+                    help="A smoke run: 3 questions of each kind, shares 0.25 and 1, 12 new tokens.")
+    ap.add_argument("--shares", type=float, nargs="+", default=list(DEFAULT_SHARES),
+                    help="Recompute shares to sweep.")
+    ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=DEFAULT_POLICIES)
+    ap.add_argument("--max-new-tokens", type=int, default=20)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()))
+    ap.add_argument("--machine", default=None, help="Results subfolder (default: device-arch-threads).")
+    ap.add_argument("--out", type=Path, default=None, help="Output folder (default: perf/results/<machine>/fidelity).")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.limit = args.limit or 3
+        args.shares = [0.25, 1.0]
+        args.max_new_tokens = 12
+    torch.set_num_threads(args.threads)
+    args.machine = args.machine or _machine()
+    report = evaluate(args)
+    out_dir = args.out or RESULTS_ROOT / args.machine / "fidelity"
+    paths = write(report, out_dir)
+    print(markdown(report))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
