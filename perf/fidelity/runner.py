@@ -225,41 +225,46 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Accuracy (contains and F1) vs median TTFT per kind, recompute sweeps as lines."""
+    """Accuracy (answer contained) per kind against median TTFT (top; noisy on a shared CPU) and
+    against prompt tokens computed (bottom; deterministic), recompute sweeps as lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     kinds = [k for k in KINDS if report["summary"].get(k)]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.8), squeeze=False)
+    axes_x = (("ttft_median_ms", "median TTFT (ms, log)"), ("computed_tokens", "prompt tokens computed (log)"))
+    fig, axes = plt.subplots(2, len(kinds), figsize=(6.5 * len(kinds), 9), squeeze=False)
     markers = {"baseline": ("k", "s"), "prefix": ("tab:gray", "D"), "independent": ("tab:red", "o"),
                "scaffold": ("tab:green", "*")}
-    for ax, kind in zip(axes[0], kinds):
-        rows = report["summary"][kind]
-        for name, (colour, marker) in markers.items():
-            if name in rows:
-                ax.scatter(rows[name]["ttft_median_ms"], rows[name]["contains"], c=colour, marker=marker, s=80,
-                           label=name, zorder=3)
-        for policy, colour in (("first", "tab:blue"), ("deviation", "tab:purple")):
-            sweep = sorted((m["share"], m) for m in rows.values() if m["policy"] == policy)
-            if not sweep:
-                continue
-            points = [(0.0, rows["independent"])] + sweep if "independent" in rows else sweep
-            ax.plot([m["ttft_median_ms"] for _, m in points], [m["contains"] for _, m in points], "-o",
-                    c=colour, label=f"recompute {policy}")
-            for share, m in sweep:
-                ax.annotate(f"{share:g}", (m["ttft_median_ms"], m["contains"]), textcoords="offset points",
-                            xytext=(4, -10), fontsize=8, color=colour)
-        ax.set_xscale("log")
-        ax.set_xlabel("median TTFT (ms, log)")
-        ax.set_ylabel("answer contained (%)")
-        ax.set_title(f"{kind}-document questions (n={next(iter(rows.values()))['n']})")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Fidelity vs TTFT, {report['settings']['model']} ({report['settings']['machine']})")
+    for row, (x_key, x_label) in enumerate(axes_x):
+        for ax, kind in zip(axes[row], kinds):
+            rows = report["summary"][kind]
+            for name, (colour, marker) in markers.items():
+                if name in rows:
+                    ax.scatter(rows[name][x_key], rows[name]["contains"], c=colour, marker=marker, s=80,
+                               label=name, zorder=3)
+            for policy, colour in (("first", "tab:blue"), ("deviation", "tab:purple")):
+                sweep = sorted((m["share"], m) for m in rows.values() if m["policy"] == policy)
+                if policy != "first" and "first@1" in rows:
+                    sweep.append((1.0, rows["first@1"]))
+                if not sweep:
+                    continue
+                points = ([(0.0, rows["independent"])] if "independent" in rows else []) + sweep
+                ax.plot([m[x_key] for _, m in points], [m["contains"] for _, m in points], "-o", c=colour,
+                        label=f"recompute {policy}")
+                for share, m in sweep:
+                    ax.annotate(f"{share:g}", (m[x_key], m["contains"]), textcoords="offset points",
+                                xytext=(4, -10), fontsize=8, color=colour)
+            ax.set_xscale("log")
+            ax.set_xlabel(x_label)
+            ax.set_ylabel("answer contained (%)")
+            ax.set_title(f"{kind}-document questions (n={next(iter(rows.values()))['n']})")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"Fidelity vs cost, {report['settings']['model']} ({report['settings']['machine']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -288,11 +293,19 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()))
     ap.add_argument("--machine", default=None, help="Results subfolder (default: device-arch-threads).")
     ap.add_argument("--out", type=Path, default=None, help="Output folder (default: perf/results/<machine>/fidelity).")
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="Rewrite the table and plot of an earlier run's JSON (beside it) instead of running.")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.from_json is not None:
+        report = json.loads(args.from_json.read_text(encoding="utf-8"))
+        args.from_json.with_suffix(".md").write_text(markdown(report), encoding="utf-8")
+        plot(report, args.from_json.with_suffix(".png"))
+        print(markdown(report))
+        return 0
     if args.quick:
         args.limit = args.limit or 3
         args.shares = [0.25, 1.0]
