@@ -15,6 +15,7 @@ from rich.table import Table
 
 from pckernels.errors import PMLError, UnsupportedModelError
 from pckernels.cli_store import cache_app, encode
+from pckernels.cli_bench import CONTEXT as BENCH_CONTEXT, bench
 from pckernels.cli_eval import register as register_eval
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -106,6 +107,7 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
 
 
 app.command()(encode)
+app.command(context_settings=BENCH_CONTEXT)(bench)
 app.add_typer(cache_app, name="cache")
 register_eval(app)
 

@@ -1,0 +1,71 @@
+"""Command line of the suite: ``python -m perf …`` and ``promptcache bench …``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from perf.suite.config import EXPERIMENTS, SuiteConfig
+
+DESCRIPTION = """promptcache performance suite: TTFT vs length (baseline / Prompt Cache / floor), workloads
+(no reuse / exact prefix reuse / Prompt Cache), cache-hit-ratio sweep, encoding amortisation, memory
+per token, decode rate. Writes suite.json, summary.md and PNG plots under
+perf/results/<machine>/<preset>/.
+
+  python -m perf --quick                  a few minutes on 2 CPU cores
+  python -m perf                          the full run (512 -> 8K tokens)
+  python -m perf --only ttft --lengths 512 1024 --repeats 3
+  python -m perf --gpu [--dry-run]        the one-shot GPU suite (perf/gpu_suite.py)
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m perf", description=DESCRIPTION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the quick preset (same as --preset quick)")
+    ap.add_argument("--preset", choices=("full", "quick", "tiny"), default=None)
+    ap.add_argument("--only", nargs="+", choices=EXPERIMENTS, help="run only these experiments")
+    ap.add_argument("--repeats", type=int, help="interleaved rounds per measurement")
+    ap.add_argument("--lengths", type=int, nargs="+", help="TTFT prompt lengths in tokens")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    ap.add_argument("--model", default="smollm2", help="model name or path (default: the embedded SmolLM2)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--out", type=Path, help="output directory (default perf/results/<machine>/<preset>)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--gpu", action="store_true", help="run perf/gpu_suite.py with the remaining arguments")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--gpu" in argv:
+        from perf import gpu_suite
+
+        argv.remove("--gpu")
+        return gpu_suite.main(argv)
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from pckernels.engine import PromptCache
+    from perf.suite.runner import default_out_dir, run_suite, write_results
+
+    torch.set_num_threads(args.threads)
+    preset = args.preset or ("quick" if args.quick else "full")
+    config = SuiteConfig.named(preset).with_overrides(experiments=args.only, repeats=args.repeats,
+                                                      lengths=args.lengths)
+    if args.only or args.repeats or args.lengths:
+        config.name = f"{preset}-custom"
+    print(f"loading {args.model} …", flush=True)
+    engine = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=False)
+    results = run_suite(engine, config, show_progress=not args.no_progress)
+    out_dir = args.out or default_out_dir(engine, config)
+    summary = write_results(results, out_dir)
+    print(summary.read_text())
+    print(f"\nwrote {out_dir}/suite.json, summary.md and plots", flush=True)
+    return 0

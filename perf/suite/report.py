@@ -1,0 +1,162 @@
+"""The suite's results as JSON and as a markdown summary (tables, targets, links to the plots)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def ms(summary: dict) -> str:
+    """``median ms (min–max)``."""
+    return f"{summary['median'] * 1e3:.0f} ms ({summary['min'] * 1e3:.0f}–{summary['max'] * 1e3:.0f})"
+
+
+def kib(value: float | None) -> str:
+    return "–" if value is None else f"{value / 1024:,.1f} KiB"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def ttft_section(result: dict) -> list[str]:
+    rows = [[str(r["tokens"]), ms(r["baseline"]), ms(r["cached"]), ms(r["cached_resident"]), ms(r["floor"]),
+             f"{r['speedup']:.1f}x", f"{r['cached_over_floor']:.2f}", f"{r['resident_over_floor']:.2f}",
+             f"{r['gap_s']:.2f} s"] for r in result["rows"]]
+    return ["## 1. TTFT vs prompt length", "",
+            "One document module of the given size and a question. *Prompt Cache*: the document's blocks "
+            "are copied from the store into the assembly buffer on every query; *resident*: they are already "
+            "there at their rows; *floor*: the forward of the question over the resident cache alone.", "",
+            *_table(["prompt tokens", "no reuse", "Prompt Cache", "resident", "floor", "speed-up",
+                     "PC / floor", "resident / floor", "gap"], rows), ""]
+
+
+def workloads_section(result: dict) -> list[str]:
+    rows = []
+    for r in result["rows"]:
+        out = r["outputs"]
+        tokens = r["prompt_tokens"]
+        rows.append([r["name"], r["description"], f"{min(tokens)}–{max(tokens)}", ms(r["no_reuse"]), ms(r["prefix"]),
+                     ms(r["prompt_cache"]), f"{r['speedup_prefix']:.1f}x", f"{r['speedup_prompt_cache']:.1f}x",
+                     f"{r['prompt_cache_over_prefix']:.1f}x", f"{r['prefix_cached_fraction']:.0%}",
+                     f"{r['prompt_cache_cached_fraction']:.0%}",
+                     f"{'yes' if out['prefix_equals_oracle'] else 'NO'} / "
+                     f"{'yes' if out['prompt_cache_equals_oracle'] else 'NO'}",
+                     f"{out['first_token_agreement']:.0%} / {out['token_agreement']:.0%}", r["prefix_can_help"]])
+    lines = ["## 2. Workloads", "",
+             "Median TTFT over the stream's queries after the first (the first finds nothing stored), all rounds; "
+             "each round replays the stream on an empty prefix store.", "",
+             *_table(["workload", "what", "prompt tokens", "no reuse", "prefix reuse", "Prompt Cache", "prefix x",
+                      "PC x", "PC vs prefix", "prefix reused", "PC cached", "= own oracle (prefix / PC)",
+                      "PC vs no reuse: 1st token / tokens", "can prefix reuse help?"], rows), "",
+             "*Equal outputs* means each method equals its own oracle on every query: prefix reuse is bitwise equal "
+             "to the same prefill without reuse (tokens and first-token logits); Prompt Cache generates the same "
+             "greedy tokens as the reference forward with the same module-scoped attention. Prompt Cache and no reuse "
+             "are different computations (modules are encoded without attending to each other, RAG passages keep "
+             "their schema order): the last column is how often they agree (first token; greedy tokens before the "
+             "first difference).", ""]
+    for r in result["rows"]:
+        check = r["checks"][1 if len(r["checks"]) > 1 else 0]
+        lines.append(f"- {r['name']}, query 2 — Prompt Cache: “{check['prompt_cache_text'].strip()[:120]}”; "
+                     f"no reuse: “{check['no_reuse_text'].strip()[:120]}”")
+    return lines + [""]
+
+
+def hit_ratio_section(result: dict) -> list[str]:
+    rows = [[f"{r['cached_tokens'] / r['prompt_tokens']:.2f}", f"{r['cached_tokens']} / {r['computed_tokens']}",
+             ms(r["no_reuse"]), ms(r["prefix"]), ms(r["prompt_cache"]), f"{r['speedup_prefix']:.1f}x",
+             f"{r['speedup_prompt_cache']:.1f}x", f"{r['ideal']:.1f}x"] for r in result["rows"]]
+    return ["## 3. Cache-hit ratio", "",
+            "*ideal*: prompt tokens / computed tokens (time proportional to computed tokens).", "",
+            *_table(["cached fraction", "cached / computed tokens", "no reuse", "prefix reuse", "Prompt Cache",
+                     "prefix x", "PC x", "ideal"], rows), ""]
+
+
+def amortisation_section(result: dict) -> list[str]:
+    rows = [[str(r["module_tokens"]), ms(r["encode"]), ms(r["encode_forward"]), ms(r["no_reuse"]),
+             ms(r["prompt_cache"]), f"{r['saving_per_query_s'] * 1e3:.0f} ms",
+             "never" if math.isinf(r["break_even_reuses"]) else f"{r['break_even_reuses']:.2f}"]
+            for r in result["rows"]]
+    return ["## 4. Encoding amortisation", "",
+            "*encode*: `add_schema` wall time (parse, tokenize, forward, store); *forward*: the encoding forward "
+            "alone. Break-even = encode / (no reuse − Prompt Cache): queries after which the encoding has paid off.",
+            "", *_table(["module tokens", "encode", "forward", "query, no reuse", "query, Prompt Cache",
+                         "saving / query", "break-even reuses"], rows), ""]
+
+
+def memory_section(result: dict) -> list[str]:
+    rows = [[r["model"], str(r["layers"]), str(r["kv_heads"]), str(r["head_dim"]), kib(r["fp16_bytes_per_token"]),
+             kib(r["fp32_bytes_per_token"]), r["note"]] for r in result["computed"]]
+    m = result["measured"]
+    return ["## 5. Memory per cached token", "",
+            "Computed: 2 × layers × KV heads × head dim × bytes per element (configs in `perf/suite/memory.py`).", "",
+            *_table(["model", "layers", "KV heads", "head dim", "fp16", "fp32", "attention"], rows), "",
+            f"Measured here ({m['model']}, {m['dtype']}): computed {kib(m['computed_bytes_per_token'])}; module "
+            f"store {kib(m['store_bytes_per_token'])} per token ({m['store_tokens']} tokens); assembly buffer "
+            f"{kib(m['buffer_bytes_per_row'])} per row; exact prefix cache {kib(m['prefix_bytes_per_token'])} per "
+            f"prompt token ({m['prefix_tokens']} tokens, including the prompt end's logits).", ""]
+
+
+def decode_section(result: dict) -> list[str]:
+    rates = result["tokens_per_s"]
+    rows = [[name, f"{s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f})", str(result["generated_tokens"].get(name, ""))]
+            for name, s in rates.items()]
+    return ["## 6. Decode rate", "",
+            f"{result['context_tokens']}-token context, up to {result['max_new_tokens']} greedy tokens; tokens after "
+            "the first per second of decoding.", "",
+            *_table(["method", "tokens / s", "tokens generated"], rows), "",
+            f"Prompt Cache / no reuse: {result['prompt_cache_over_no_reuse']:.2f}; prefix reuse / no reuse: "
+            f"{result['prefix_over_no_reuse']:.2f}.", ""]
+
+
+SECTIONS = {"ttft": ttft_section, "workloads": workloads_section, "hit_ratio": hit_ratio_section,
+            "amortisation": amortisation_section, "memory": memory_section, "decode": decode_section}
+
+
+def targets(results: dict) -> list[str]:
+    lines = []
+    experiments = results["experiments"]
+    if "ttft" in experiments:
+        worst = max(experiments["ttft"]["rows"], key=lambda r: r["cached_over_floor"])
+        worst_resident = max(experiments["ttft"]["rows"], key=lambda r: r["resident_over_floor"])
+        lines.append(f"- Prompt Cache within 15% of the floor at every length: "
+                     f"{'met' if experiments['ttft']['within_15pct_of_floor'] else 'NOT met'} with blocks copied "
+                     f"(worst {worst['cached_over_floor']:.2f}x at {worst['tokens']} tokens); "
+                     f"{'met' if experiments['ttft']['resident_within_15pct_of_floor'] else 'NOT met'} with blocks "
+                     f"resident (worst {worst_resident['resident_over_floor']:.2f}x at {worst_resident['tokens']}).")
+    if "workloads" in experiments:
+        w = experiments["workloads"]
+        lines.append(f"- k-of-N RAG ≥ 10x faster than exact prefix reuse at equal outputs: "
+                     f"{'met' if w['rag_target_met'] else 'NOT met'} ({w['rag_prompt_cache_over_prefix']:.1f}x).")
+    return lines
+
+
+def markdown(results: dict, plots: list[Path]) -> str:
+    env, cfg = results["environment"], results["config"]
+    load = env.get("load_average", {})
+    lines = [f"# promptcache performance suite — {env['machine']} ({cfg['name']})", "",
+             f"{env['model']} ({env['dtype']}) on {env['device']}, {env['threads']} threads, {env['cpu']}; "
+             f"torch {env['torch']}, transformers {env['transformers']}; {cfg['repeats']} interleaved rounds per "
+             f"measurement, median (min–max). {env['started']}, {results['elapsed_s']:.0f} s.", "",
+             f"Command: `{env['command']}`", ""]
+    if load:
+        lines += [f"Load average (1 min) at start / end: {load['start']:.1f} / {load['end']:.1f} on "
+                  f"{env['cores']} cores{' — the machine was busy; treat timings as noisy' if load['busy'] else ''}.",
+                  ""]
+    lines += ["## Targets", "", *targets(results), ""]
+    if plots:
+        lines += [f"![overview]({plots[0].name})", ""]
+    for name, section in SECTIONS.items():
+        if name in results["experiments"]:
+            lines += section(results["experiments"][name])
+    return "\n".join(lines)
+
+
+def write(results: dict, out_dir: Path, plots: list[Path]) -> Path:
+    """``suite.json`` and ``summary.md`` in ``out_dir``; returns the summary's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "suite.json").write_text(json.dumps(results, indent=1, default=str))
+    summary = out_dir / "summary.md"
+    summary.write_text(markdown(results, plots))
+    return summary

@@ -1,0 +1,116 @@
+"""Run the selected experiments on one engine with a progress bar; write JSON, plots, markdown."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pckernels.engine import PromptCache
+
+from perf.suite import amortisation, decode, hit_ratio, memory, ttft, workloads
+from perf.suite.config import SuiteConfig
+from perf.suite.context import Bench, Ticker
+
+log = logging.getLogger(__name__)
+
+EXPERIMENT_MODULES = {"ttft": ttft, "workloads": workloads, "hit_ratio": hit_ratio, "amortisation": amortisation,
+                      "memory": memory, "decode": decode}
+RESULTS_ROOT = Path(__file__).resolve().parents[1] / "results"
+
+
+def machine_name(device: torch.device | str = "cpu") -> str:
+    """``cpu-<cores>c`` on CPU, the GPU's name (``nvidia-h200``) on CUDA."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return f"cpu-{os.cpu_count()}c"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(engine: PromptCache) -> dict:
+    import transformers
+
+    return {"machine": machine_name(engine.device), "cpu": cpu_model(), "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "device": str(engine.device), "dtype": str(engine.dtype),
+            "model": engine.name, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "started": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def run_suite(engine: PromptCache, config: SuiteConfig, *, show_progress: bool = True) -> dict:
+    """Run ``config.experiments`` in order; returns ``{"environment", "config", "experiments", "elapsed_s"}``.
+
+    The engine's store and the prefix cache are emptied between experiments so that each one
+    starts from the same state and memory stays bounded."""
+    env = environment(engine)
+    load_start = _load_average()
+    started = time.perf_counter()
+    results: dict = {"environment": env, "config": config.to_dict(), "experiments": {}}
+    progress = _progress() if show_progress else None
+    bench = Bench(engine, config, Ticker(progress))
+    with progress if progress is not None else contextlib.nullcontext():
+        for name in config.experiments:
+            module = EXPERIMENT_MODULES[name]
+            bench.ticker.start(name, module.steps(bench))
+            t0 = time.perf_counter()
+            results["experiments"][name] = module.run(bench)
+            bench.ticker.finish()
+            log.info("%s done in %.1f s", name, time.perf_counter() - t0)
+            engine.store.clear()
+            engine.buffer.invalidate_all()
+            bench.prefix.clear()
+    results["elapsed_s"] = time.perf_counter() - started
+    load_end = _load_average()
+    if load_start is not None and load_end is not None:
+        cores = os.cpu_count() or 1
+        env["load_average"] = {"start": load_start, "end": load_end,
+                               "busy": max(load_start, load_end) > cores + 0.5}
+    return results
+
+
+def _progress():
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    return Progress(SpinnerColumn(), TextColumn("{task.description:<13}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn())
+
+
+def write_results(results: dict, out_dir: Path) -> Path:
+    """JSON, plots and the markdown summary in ``out_dir``; returns the summary's path."""
+    from perf.suite import plots, report
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = results["environment"]
+    title = f"promptcache on {env['machine']} — {env['model']} ({env['dtype']}), {env['threads']} threads"
+    written = plots.write_plots(results, out_dir, title)
+    return report.write(results, out_dir, written)
+
+
+def default_out_dir(engine: PromptCache, config: SuiteConfig) -> Path:
+    return RESULTS_ROOT / machine_name(engine.device) / config.name

@@ -1,0 +1,96 @@
+"""Smoke test of the performance suite's machinery (perf/suite, perf/gpu_suite.py) end to end on a
+tiny random Llama with the word tokenizer: every experiment runs, results, plots and the summary
+are written, each method equals its own oracle. No timing assertions: speed lives in benchmarks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from pckernels.cli import app  # noqa: E402
+from pckernels.cli_bench import suite_root  # noqa: E402
+from pckernels.engine import PromptCache  # noqa: E402
+from perf import gpu_suite  # noqa: E402
+from perf.suite.config import EXPERIMENTS, SuiteConfig  # noqa: E402
+from perf.suite.context import natural_order_ids  # noqa: E402
+from perf.suite.runner import run_suite, write_results  # noqa: E402
+from perf.suite.tokenizer import WordTokenizer  # noqa: E402
+
+VOCAB = 512
+TINY_SHAPE = dict(gpu_suite.DRY_RUN_SHAPE, vocab_size=VOCAB, hidden_size=48, num_attention_heads=6,
+                  num_key_value_heads=2, intermediate_size=96, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.manual_seed(0)
+    return PromptCache(gpu_suite.random_llama(TINY_SHAPE, "cpu", torch.float32), WordTokenizer(VOCAB))
+
+
+def test_every_experiment_runs_and_is_reported(engine, tmp_path):
+    results = run_suite(engine, SuiteConfig.tiny(), show_progress=False)
+    summary = write_results(results, tmp_path)
+
+    assert list(results["experiments"]) == list(EXPERIMENTS)
+    saved = json.loads((tmp_path / "suite.json").read_text())
+    assert saved["config"]["name"] == "tiny"
+    for name in ("overview", *EXPERIMENTS):
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+    text = summary.read_text()
+    assert "## Targets" in text and "## 6. Decode rate" in text
+    ttft = results["experiments"]["ttft"]["rows"]
+    assert [r["cached_tokens"] > 0 and r["computed_tokens"] > 0 for r in ttft] == [True, True]
+    assert all(r["baseline"]["n"] == 2 for r in ttft)
+    for row in results["experiments"]["workloads"]["rows"]:
+        assert row["outputs"]["prefix_equals_oracle"], row["name"]
+        assert row["outputs"]["prompt_cache_equals_oracle"], row["name"]
+    rag = next(r for r in results["experiments"]["workloads"]["rows"] if r["name"] == "rag")
+    assert rag["prefix_cached_fraction"] < rag["prompt_cache_cached_fraction"]
+    fractions = [r["cached_tokens"] / r["prompt_tokens"] for r in results["experiments"]["hit_ratio"]["rows"]]
+    assert fractions == sorted(fractions)
+    measured = results["experiments"]["memory"]["measured"]
+    assert measured["store_bytes_per_token"] == measured["computed_bytes_per_token"]
+
+
+def test_natural_order_moves_only_the_named_modules(engine):
+    engine.add_schema('<schema name="order"><system>intro words <module name="a">alpha one</module>'
+                      '<module name="b">beta two three</module></system></schema>')
+    resolved = engine.resolve('<prompt schema="order"><a/><b/><user>why</user></prompt>')
+    ids = list(resolved.token_ids)
+    swapped = natural_order_ids(resolved, ["b", "a"])
+    tok = engine.tokenizer
+    a, b = tok.encode("alpha one"), tok.encode("beta two three")
+    start = ids.index(a[0])
+    assert ids[start:start + 5] == a + b
+    assert swapped == ids[:start] + b + a + ids[start + 5:]
+
+
+def test_word_tokenizer_is_one_token_per_word():
+    tok = WordTokenizer(100)
+    ids = tok("the cat sat on the mat")["input_ids"]
+    assert len(ids) == 6 and ids[0] == ids[4] and all(3 <= i < 100 for i in ids)
+    assert tok.decode(ids) == "the cat sat on the mat"
+
+
+def test_gpu_suite_dry_run_writes_its_report(tmp_path):
+    assert gpu_suite.main(["--dry-run", "--no-kernels", "--repeats", "1", "--lengths", "16", "--out",
+                           str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert results["exactness"]["cached_equals_reference"] and results["exactness"]["host_equals_device"]
+    assert {"cached", "cached_host", "cached_resident", "floor"} <= set(results["ttft"]["rows"][0])
+    assert (tmp_path / "gpu_ttft.png").is_file() and "## TTFT" in (tmp_path / "gpu_summary.md").read_text()
+
+
+def test_bench_command_hands_its_arguments_to_the_suite():
+    assert suite_root() == ROOT
+    result = CliRunner().invoke(app, ["bench", "--help"])
+    assert result.exit_code == 0 and "--quick" in result.output
