@@ -41,8 +41,8 @@ class SuiteConfig:
     @classmethod
     def quick(cls) -> "SuiteConfig":
         """A few minutes on 2 CPU cores with the embedded model."""
-        return cls(name="quick", repeats=3, lengths=[512, 1024, 2048], doc_qa_tokens=1536, rag_docs=8,
-                   rag_doc_tokens=256, rag_k=4, template_system_tokens=768, code_files=6, code_file_tokens=256,
+        return cls(name="quick", repeats=3, lengths=[512, 1024, 2048], doc_qa_tokens=1024, rag_docs=8,
+                   rag_doc_tokens=256, rag_k=4, template_system_tokens=512, code_files=6, code_file_tokens=192,
                    queries=4, check_tokens=8, hit_ratio_tokens=1024, hit_ratios=[0.0, 0.5, 0.9, 1.0],
                    amortisation_tokens=[512, 2048], decode_context_tokens=1024, decode_tokens=16)
 

@@ -29,7 +29,26 @@ def ttft_section(result: dict) -> list[str]:
             "are copied from the store into the assembly buffer on every query; *resident*: they are already "
             "there at their rows; *floor*: the forward of the question over the resident cache alone.", "",
             *_table(["prompt tokens", "no reuse", "Prompt Cache", "resident", "floor", "speed-up",
-                     "PC / floor", "resident / floor", "gap"], rows), ""]
+                     "PC / floor", "resident / floor", "gap"], rows), "", *breakdown_lines(result["rows"])]
+
+
+BREAKDOWN_COLUMNS = ("model forward", "place blocks (store + copy)", "parse prompt", "attention bias")
+
+
+def breakdown_lines(rows: list[dict]) -> list[str]:
+    """Where the time of one profiled Prompt Cache query (blocks copied) goes, per length."""
+    table = []
+    for r in rows:
+        b = r["breakdown"]
+        parts = [b["components"].get(c, 0.0) for c in BREAKDOWN_COLUMNS]
+        rest = b["total_s"] - sum(parts)
+        table.append([str(r["tokens"]), f"{b['total_s'] * 1e3:.0f} ms",
+                      *(f"{v * 1e3:.1f} ms ({v / b['total_s']:.0%})" for v in (*parts, rest))])
+    top = rows[-1]["breakdown"]["top_calls"]
+    calls = ", ".join(f"`{name}` {seconds * 1e3:.0f} ms" for name, seconds in top.items())
+    return ["Where one profiled Prompt Cache query's time goes (cProfile; blocks copied):", "",
+            *_table(["prompt tokens", "total", *BREAKDOWN_COLUMNS, "rest"], table), "",
+            f"Heaviest calls at {rows[-1]['tokens']} tokens (self time): {calls}.", ""]
 
 
 def workloads_section(result: dict) -> list[str]:

@@ -21,6 +21,7 @@ import torch
 from pckernels.engine import PromptCache
 from pckernels.engine.plan import plan_cached
 
+from perf.suite.breakdown import profile
 from perf.suite.context import Bench
 from perf.suite.stats import interleaved, ratio, summarize
 from perf.suite.texts import archive, pml_escape, sized
@@ -93,6 +94,7 @@ def measure_length(bench: Bench, n_tokens: int, tiers: Mapping[str, PromptCache]
     row["cached_over_floor"] = ratio(row["cached"], row["floor"])
     row["resident_over_floor"] = ratio(row["cached_resident"], row["floor"])
     row["gap_s"] = row["baseline"]["median"] - row["cached"]["median"]
+    row["breakdown"] = profile(lambda: assembled_seconds(engine, prompt))
     return row
 
 
