@@ -29,7 +29,9 @@ def ttft_section(result: dict) -> list[str]:
             "are copied from the store into the assembly buffer on every query; *resident*: they are already "
             "there at their rows; *floor*: the forward of the question over the resident cache alone.", "",
             *_table(["prompt tokens", "no reuse", "Prompt Cache", "resident", "floor", "speed-up",
-                     "PC / floor", "resident / floor", "gap"], rows), "", *breakdown_lines(result["rows"])]
+                     "PC / floor", "resident / floor", "gap"], rows), "",
+            "Speed-ups are ratios of medians; the ratios to the floor are medians of per-round ratios (each round "
+            "runs every series back to back).", "", *breakdown_lines(result["rows"])]
 
 
 BREAKDOWN_COLUMNS = ("model forward", "place blocks (store + copy)", "parse prompt", "attention bias")
@@ -67,7 +69,7 @@ def workloads_section(result: dict) -> list[str]:
              "Median TTFT over the stream's queries after the first (the first finds nothing stored), all rounds; "
              "each round replays the stream on an empty prefix store.", "",
              *_table(["workload", "what", "prompt tokens", "no reuse", "prefix reuse", "Prompt Cache", "prefix x",
-                      "PC x", "PC vs prefix", "prefix reused", "PC cached", "= own oracle (prefix / PC)",
+                      "PC x", "PC vs prefix (paired)", "prefix reused", "PC cached", "= own oracle (prefix / PC)",
                       "PC vs no reuse: 1st token / tokens", "can prefix reuse help?"], rows), "",
              "*Equal outputs* means each method equals its own oracle on every query: prefix reuse is bitwise equal "
              "to the same prefill without reuse (tokens and first-token logits); Prompt Cache generates the same "

@@ -38,3 +38,9 @@ def interleaved(cases: Mapping[str, Callable[[], float]], repeats: int,
 def ratio(numerator: dict, denominator: dict) -> float:
     """Ratio of two summaries' medians."""
     return numerator["median"] / denominator["median"]
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median of the ratios of samples taken in the same round: robust to load that drifts
+    between rounds on a shared machine."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))

@@ -23,7 +23,7 @@ from pckernels.engine.plan import plan_cached
 
 from perf.suite.breakdown import profile
 from perf.suite.context import Bench
-from perf.suite.stats import interleaved, ratio, summarize
+from perf.suite.stats import interleaved, paired_ratio, ratio, summarize
 from perf.suite.texts import archive, pml_escape, sized
 
 QUESTION = ("Based on the archive above, which goods did the valley towns trade across the passes, and what did "
@@ -91,8 +91,8 @@ def measure_length(bench: Bench, n_tokens: int, tiers: Mapping[str, PromptCache]
     for name in tiers:
         row[f"speedup_{name}"] = ratio(row["baseline"], row[f"cached_{name}"])
     row["best_possible"] = ratio(row["baseline"], row["floor"])
-    row["cached_over_floor"] = ratio(row["cached"], row["floor"])
-    row["resident_over_floor"] = ratio(row["cached_resident"], row["floor"])
+    row["cached_over_floor"] = paired_ratio(samples["cached"], samples["floor"])
+    row["resident_over_floor"] = paired_ratio(samples["cached_resident"], samples["floor"])
     row["gap_s"] = row["baseline"]["median"] - row["cached"]["median"]
     row["breakdown"] = profile(lambda: assembled_seconds(engine, prompt))
     return row

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from perf.suite.context import Bench, natural_order_ids
-from perf.suite.stats import ratio, summarize
+from perf.suite.stats import paired_ratio, ratio, summarize
 from perf.suite.texts import archive, guidelines, pml_escape, sized, source_file
 
 METHODS = ("no_reuse", "prefix", "prompt_cache")
@@ -197,16 +197,16 @@ def run_workload(bench: Bench, workload: Workload) -> dict:
     timed = time_stream(bench, workload, prompt_ids)
     out = {"name": workload.name, "description": workload.description, "prefix_can_help": workload.prefix_can_help,
            "prompt_tokens": [len(ids) for ids in prompt_ids], "checks": checks}
+    later = slice(1, None) if len(workload.queries) > 1 else slice(None)
+    steady = {m: [t for q in timed["samples"][m][later] for t in q] for m in METHODS}
     for method in METHODS:
-        per_query = timed["samples"][method]
-        out[method] = summarize([t for q in per_query[1:] for t in q] or per_query[0])
-        out[method + "_first_query"] = summarize(per_query[0])
-        tokens = timed["cached_tokens"][method][1:] or timed["cached_tokens"][method]
-        out[method + "_cached_fraction"] = sum(c / n for c, n in zip(tokens, out["prompt_tokens"][1:] or
-                                                                     out["prompt_tokens"])) / len(tokens)
+        out[method] = summarize(steady[method])
+        out[method + "_first_query"] = summarize(timed["samples"][method][0])
+        fractions = [c / n for c, n in zip(timed["cached_tokens"][method][later], out["prompt_tokens"][later])]
+        out[method + "_cached_fraction"] = sum(fractions) / len(fractions)
     out["speedup_prefix"] = ratio(out["no_reuse"], out["prefix"])
     out["speedup_prompt_cache"] = ratio(out["no_reuse"], out["prompt_cache"])
-    out["prompt_cache_over_prefix"] = ratio(out["prefix"], out["prompt_cache"])
+    out["prompt_cache_over_prefix"] = paired_ratio(steady["prefix"], steady["prompt_cache"])
     out["outputs"] = {
         "prefix_equals_oracle": all(c["prefix_equals_oracle"] for c in checks),
         "prompt_cache_equals_oracle": all(c["prompt_cache_equals_oracle"] for c in checks),
