@@ -39,17 +39,27 @@ class Ticker:
 
 @dataclass
 class Bench:
-    """``engine``: Prompt Cache; ``prefix``: exact prefix reuse over the same model and tokenizer."""
+    """``engine``: Prompt Cache; ``prefix``: exact prefix reuse over the same model and tokenizer
+    (made on first use: its construction runs a self-check forward)."""
 
     engine: PromptCache
     config: SuiteConfig
     ticker: Ticker = field(default_factory=Ticker)
-    prefix: PrefixCache | None = None
+    _prefix: PrefixCache | None = None
 
-    def __post_init__(self) -> None:
-        if self.prefix is None:
-            self.prefix = PrefixCache(self.engine.model, self.engine.tokenizer,
-                                      block_size=self.config.prefix_block_size, strict=True)
+    @property
+    def prefix(self) -> PrefixCache:
+        if self._prefix is None:
+            self._prefix = PrefixCache(self.engine.model, self.engine.tokenizer,
+                                       block_size=self.config.prefix_block_size, strict=True)
+        return self._prefix
+
+    def clear_caches(self) -> None:
+        """Empty the engine's store and buffer residency and the prefix cache."""
+        self.engine.store.clear()
+        self.engine.buffer.invalidate_all()
+        if self._prefix is not None:
+            self._prefix.clear()
 
     @property
     def tokenizer(self):

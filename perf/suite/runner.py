@@ -81,9 +81,7 @@ def run_suite(engine: PromptCache, config: SuiteConfig, *, show_progress: bool =
             results["experiments"][name] = module.run(bench)
             bench.ticker.finish()
             log.info("%s done in %.1f s", name, time.perf_counter() - t0)
-            engine.store.clear()
-            engine.buffer.invalidate_all()
-            bench.prefix.clear()
+            bench.clear_caches()
     results["elapsed_s"] = time.perf_counter() - started
     load_end = _load_average()
     if load_start is not None and load_end is not None:

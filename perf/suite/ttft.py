@@ -50,6 +50,8 @@ def floor_seconds(engine: PromptCache, prompt: str) -> float:
     positions = torch.tensor(plan.new_positions, device=engine.device)
     attention = engine.buffer.attention(positions, plan.rows)
     engine._cache.prepare(rows=None, start=plan.new_rows[0], extent=plan.rows)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
     t0 = time.perf_counter()
     logits = engine.adapter.forward(ids, positions[None], attention, engine._cache)
     int(torch.argmax(logits[-1]))
