@@ -239,3 +239,16 @@ def test_model_fingerprint_sees_middle_layers(tokenizer):
     with torch.no_grad():
         b.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
     assert model_fingerprint(a, torch.float32) != model_fingerprint(b, torch.float32)
+
+
+def test_complete_reuses_prefixes_exactly(cache):
+    messages = [{"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": "Name three colours of the rainbow, please."}]
+    fresh = cache.complete(messages, max_new_tokens=4, reuse=False)
+    first = cache.complete(messages, max_new_tokens=4)
+    again = cache.complete(messages, max_new_tokens=4)
+    for got in (first, again):
+        assert got.token_ids == fresh.token_ids
+        assert torch.equal(got.first_logits, fresh.first_logits)
+    assert again.cached_tokens > 0
+    assert cache.stats()["prefix"]["hit_tokens"] >= again.cached_tokens

@@ -97,6 +97,7 @@ class PromptCache:
         self._encode_buffer = AssemblyBuffer(self.layout, dtype=self.dtype, device=self.device)
         self._encode_cache = BufferCache(self._encode_buffer)
         self.deviation = DeviationScores(self)
+        self._prefix = None
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         if tokenizer.eos_token_id is not None:
@@ -156,8 +157,30 @@ class PromptCache:
 
     def stats(self) -> dict:
         """The block store's counters: hits, entries, bytes, budget and evictions per tier (device,
-        host, disk), misses, disk loads/writes/discards with their seconds, encodes and encode time."""
-        return self.store.stats()
+        host, disk), misses, disk loads/writes/discards with their seconds, encodes and encode time;
+        under ``"prefix"`` the prefix cache's counters once ``complete`` has been used."""
+        out = self.store.stats()
+        if self._prefix is not None:
+            out["prefix"] = self._prefix.stats()
+        return out
+
+    @property
+    def prefix(self):
+        """The exact prefix cache over this model (:class:`pckernels.prefix.PrefixCache`), made on first use."""
+        if self._prefix is None:
+            from pckernels.prefix import PrefixCache
+
+            self._prefix = PrefixCache(self.model, self.tokenizer)
+        return self._prefix
+
+    def complete(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,
+                 top_p: float = 1.0, stop: str | list[str] | None = None,
+                 seed: int | None = None) -> GenerationResult:
+        """Generate after any prompt — text, token ids or chat messages, no PML needed — reusing
+        the longest cached prefix exactly (``docs/prefix.md``); ``reuse=False`` computes it all in
+        the same chunks, so both give bitwise-equal first logits and equal greedy tokens."""
+        return self.prefix.complete(prompt, max_new_tokens=max_new_tokens, reuse=reuse, temperature=temperature,
+                                    top_p=top_p, stop=stop, seed=seed)
 
     @torch.inference_mode()
     def _encode_schema(self, schema: Schema, *, progress: bool) -> None:
