@@ -13,6 +13,8 @@ def select_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float
     if temperature == 0.0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
@@ -23,7 +25,8 @@ def select_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A seeded generator for reproducible sampling, or ``None`` for the global RNG."""
+    """A seeded CPU generator for reproducible sampling (the same draws on every device; CUDA
+    logits are moved to it in ``select_token``), or ``None`` for the global RNG."""
     if seed is None:
         return None
     gen = torch.Generator(device="cpu")
