@@ -79,14 +79,21 @@ class Record:
 
 
 def select_questions(data: ds.Dataset, limit: int | None) -> list[ds.Question]:
-    """All questions, or ``limit`` of each kind spread evenly over the set; in bundle order."""
+    """All questions, or ``limit`` of each kind spread evenly over the set, interleaved (one
+    question of each kind and bundle in turn) so that any prefix of the run is a spread too."""
     chosen: list[ds.Question] = []
     for kind in KINDS:
         pool = [q for q in data.questions if q.kind == kind]
         if limit is not None and limit < len(pool):
             pool = [pool[round(i * len(pool) / limit)] for i in range(limit)]
         chosen += pool
-    return sorted(chosen, key=lambda q: (data.bundle_of(q), q.id))
+    rank: dict[str, int] = {}
+    seen: dict[tuple[str, int], int] = {}
+    for q in chosen:
+        group = (q.kind, data.bundle_of(q))
+        rank[q.id] = seen.get(group, 0)
+        seen[group] = rank[q.id] + 1
+    return sorted(chosen, key=lambda q: (rank[q.id], data.bundle_of(q), KINDS.index(q.kind)))
 
 
 def _machine() -> str:
@@ -94,8 +101,9 @@ def _machine() -> str:
     return f"{device}-{platform.machine()}-{torch.get_num_threads()}t"
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-    """Run the evaluation; returns the report (summary, per-question records, settings)."""
+def evaluate(args: argparse.Namespace, checkpoint=None) -> dict:
+    """Run the evaluation; returns the report (summary, per-question records, settings).
+    ``checkpoint(report)``, if given, receives the report so far after every question."""
     from pckernels import PromptCache
     from pckernels.prefix import PrefixCache
 
@@ -103,7 +111,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     data = ds.load()
     questions = select_questions(data, args.limit)
     conds = conditions(tuple(args.shares), tuple(args.policies))
-    stop = ["\n"]
+    stop = ["\n", ". "]
     t0 = time.perf_counter()
     cache = PromptCache.from_pretrained(args.model, store_dir=False, device_budget="8GiB")
     prefix = PrefixCache(cache.model, cache.tokenizer)
@@ -111,25 +119,38 @@ def evaluate(args: argparse.Namespace) -> dict:
           f"{len(conds)} conditions", flush=True)
 
     setup: dict[str, float] = {}
-    for bundle in sorted({data.bundle_of(q) for q in questions}):
+
+    def add_schema(text: str, deviation: bool = False) -> None:
+        """Encode a schema (and its deviation scores) once, outside any timed generation."""
         t0 = time.perf_counter()
-        schema = cache.add_schema(ds.bundle_schema(data, bundle))
-        setup[f"encode {schema.name}"] = time.perf_counter() - t0
-        if any(c.policy == "deviation" for c in conds):
-            t0 = time.perf_counter()
+        schema = cache.add_schema(text)
+        if deviation:
             cache.deviation.for_schema(schema)
-            setup[f"deviation {schema.name}"] = time.perf_counter() - t0
-    for question in questions:
-        if question.kind == "cross":
-            t0 = time.perf_counter()
-            schema = cache.add_schema(ds.bundle_schema(data, data.bundle_of(question), question.docs))
-            setup[f"encode {schema.name}"] = time.perf_counter() - t0
+        setup.setdefault(schema.name, time.perf_counter() - t0)
+
+    needs_deviation = any(c.policy == "deviation" for c in conds)
+    add_schema(ds.bundle_schema(data, data.bundle_of(questions[0])), needs_deviation)
     warm = ds.prompt(data, questions[0])
     for mode in ("baseline", "cached"):
         cache.generate(warm, mode=mode, max_new_tokens=2)
 
+    def report(done: int) -> dict:
+        return {
+            "settings": {"model": cache.name, "machine": args.machine, "threads": args.threads,
+                         "questions": done, "planned_questions": len(questions), "limit": args.limit,
+                         "max_new_tokens": args.max_new_tokens, "shares": list(args.shares),
+                         "policies": list(args.policies), "stop": stop, "torch": torch.__version__,
+                         "python": platform.python_version()},
+            "setup_s": setup,
+            "summary": summarize(records, conds),
+            "records": [r.__dict__ for r in records],
+        }
+
     records: list[Record] = []
     for number, question in enumerate(questions, 1):
+        add_schema(ds.bundle_schema(data, data.bundle_of(question)), needs_deviation)
+        if question.kind == "cross":
+            add_schema(ds.bundle_schema(data, data.bundle_of(question), question.docs))
         resolved = cache.resolve(ds.prompt(data, question))
         base_result = None
         for cond in conds:
@@ -153,16 +174,9 @@ def evaluate(args: argparse.Namespace) -> dict:
             records.append(record)
         line = "  ".join(f"{r.condition}={r.contains:.0f}" for r in records if r.question == question.id)
         print(f"[{number}/{len(questions)}] {question.id} {line} | baseline: {base_result.text!r}", flush=True)
-
-    return {
-        "settings": {"model": cache.name, "machine": args.machine, "threads": args.threads,
-                     "questions": len(questions), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-                     "shares": list(args.shares), "policies": list(args.policies), "stop": stop,
-                     "torch": torch.__version__, "python": platform.python_version()},
-        "setup_s": setup,
-        "summary": summarize(records, conds),
-        "records": [r.__dict__ for r in records],
-    }
+        if checkpoint is not None:
+            checkpoint(report(number))
+    return report(len(questions))
 
 
 def _generate(cache, prefix, data, question, resolved, cond: Condition, max_new_tokens: int, stop):
@@ -204,9 +218,12 @@ def summarize(records: list[Record], conds: list[Condition]) -> dict:
 
 def markdown(report: dict) -> str:
     s = report["settings"]
+    planned = s.get("planned_questions", s["questions"])
+    done = "" if planned == s["questions"] else f" (of {planned} planned; the run was stopped early)"
     lines = [f"# Fidelity: {s['model']} on {s['machine']}", "",
-             f"{s['questions']} questions (limit {s['limit']}), greedy, up to {s['max_new_tokens']} new tokens, "
-             f"stop at a newline. EM / F1 / contains in %; agree: identical generated tokens as baseline; "
+             f"{s['questions']} questions{done} (limit {s['limit']}), greedy, up to {s['max_new_tokens']} new tokens, "
+             f"stop at a newline or the end of the first sentence. EM / F1 / contains in %; "
+             f"agree: identical generated tokens as baseline; "
              f"first: same first token; KL: mean KL(baseline || condition) of the first-token distribution "
              f"(nats); TTFT median; computed: prompt tokens computed per question.", ""]
     for kind in (*KINDS, "all"):
@@ -268,15 +285,17 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write(report: dict, out_dir: Path) -> list[Path]:
-    """``fidelity[-<n>q].{json,md,png}`` under ``out_dir``."""
+def write(report: dict, out_dir: Path, *, with_plot: bool = True) -> list[Path]:
+    """``fidelity[-<n>q].{json,md,png}`` under ``out_dir`` (``n``: the planned questions of a
+    limited run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    limit = report["settings"]["limit"]
-    stem = "fidelity" if limit is None else f"fidelity-{report['settings']['questions']}q"
+    s = report["settings"]
+    stem = "fidelity" if s["limit"] is None else f"fidelity-{s.get('planned_questions', s['questions'])}q"
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
     paths[0].write_text(json.dumps(report, indent=1), encoding="utf-8")
     paths[1].write_text(markdown(report), encoding="utf-8")
-    plot(report, paths[2])
+    if with_plot:
+        plot(report, paths[2])
     return paths
 
 
@@ -312,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         args.max_new_tokens = 12
     torch.set_num_threads(args.threads)
     args.machine = args.machine or _machine()
-    report = evaluate(args)
     out_dir = args.out or RESULTS_ROOT / args.machine / "fidelity"
+    report = evaluate(args, checkpoint=lambda partial: write(partial, out_dir, with_plot=False))
     paths = write(report, out_dir)
     print(markdown(report))
     print("wrote " + ", ".join(str(p) for p in paths))
