@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return gpu_suite.main(argv)
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("perf").setLevel(logging.INFO)
     import torch
 
     from pckernels.engine import PromptCache

@@ -32,6 +32,8 @@ def ttft_panel(ax, result: dict) -> None:
         med, lo, hi = zip(*(_ms(r[series]) for r in rows))
         ax.errorbar(x, med, yerr=[lo, hi], marker="o", capsize=3, color=COLORS.get(series), label=label)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [str(t) for t in x])
+    ax.minorticks_off()
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("time to first token (ms)")

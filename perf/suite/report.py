@@ -159,7 +159,8 @@ def markdown(results: dict, plots: list[Path]) -> str:
     lines = [f"# promptcache performance suite — {env['machine']} ({cfg['name']})", "",
              f"{env['model']} ({env['dtype']}) on {env['device']}, {env['threads']} threads, {env['cpu']}; "
              f"torch {env['torch']}, transformers {env['transformers']}; {cfg['repeats']} interleaved rounds per "
-             f"measurement, median (min–max). {env['started']}, {results['elapsed_s']:.0f} s.", "",
+             f"measurement, median (min–max). {env['started']}, {results['elapsed_s']:.0f} s ("
+             + ", ".join(f"{name} {s:.0f} s" for name, s in results.get("seconds", {}).items()) + ").", "",
              f"Command: `{env['command']}`", ""]
     if load:
         lines += [f"Load average (1 min) at start / end: {load['start']:.1f} / {load['end']:.1f} on "

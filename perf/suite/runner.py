@@ -63,24 +63,27 @@ def _load_average() -> float | None:
 
 
 def run_suite(engine: PromptCache, config: SuiteConfig, *, show_progress: bool = True) -> dict:
-    """Run ``config.experiments`` in order; returns ``{"environment", "config", "experiments", "elapsed_s"}``.
+    """Run ``config.experiments`` in order; returns the ``environment``, the ``config``, the
+    ``experiments``' results, their ``seconds`` and ``elapsed_s``.
 
     The engine's store and the prefix cache are emptied between experiments so that each one
     starts from the same state and memory stays bounded."""
     env = environment(engine)
     load_start = _load_average()
     started = time.perf_counter()
-    results: dict = {"environment": env, "config": config.to_dict(), "experiments": {}}
+    results: dict = {"environment": env, "config": config.to_dict(), "experiments": {}, "seconds": {}}
     progress = _progress() if show_progress else None
     bench = Bench(engine, config, Ticker(progress))
     with progress if progress is not None else contextlib.nullcontext():
         for name in config.experiments:
             module = EXPERIMENT_MODULES[name]
+            log.info("%s: %d measurements", name, module.steps(bench))
             bench.ticker.start(name, module.steps(bench))
             t0 = time.perf_counter()
             results["experiments"][name] = module.run(bench)
             bench.ticker.finish()
-            log.info("%s done in %.1f s", name, time.perf_counter() - t0)
+            results["seconds"][name] = time.perf_counter() - t0
+            log.info("%s done in %.1f s", name, results["seconds"][name])
             bench.clear_caches()
     results["elapsed_s"] = time.perf_counter() - started
     load_end = _load_average()
