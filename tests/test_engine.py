@@ -165,7 +165,7 @@ def test_blocks_keep_real_kv_heads(cache, schema):
     ('<prompt schema="guide"><plan duration="one two three four five six seven eight nine ten"/></prompt>',
      "duration"),
     ('<prompt schema="guide"><parris/><user>hi</user></prompt>', "paris"),
-    ('<prompt schema="guide"><user>unclosed</prompt>', ""),
+    ('<prompt schema="guide"><user>unclosed</prompt>', "line 1"),
 ])
 def test_bad_prompt_raises_and_cache_stays_usable(cache, schema, bad, match):
     before = cache.generate(PROMPTS["nested"], max_new_tokens=2)
