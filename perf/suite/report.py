@@ -30,8 +30,8 @@ def ttft_section(result: dict) -> list[str]:
             "there at their rows; *floor*: the forward of the question over the resident cache alone.", "",
             *_table(["prompt tokens", "no reuse", "Prompt Cache", "resident", "floor", "speed-up",
                      "PC / floor", "resident / floor", "gap"], rows), "",
-            "Speed-ups are ratios of medians; the ratios to the floor are medians of per-round ratios (each round "
-            "runs every series back to back).", "", *breakdown_lines(result["rows"])]
+            f"{result['rounds']} rounds. Speed-ups are ratios of medians; the ratios to the floor are medians of "
+            "per-round ratios (each round runs every series back to back).", "", *breakdown_lines(result["rows"])]
 
 
 BREAKDOWN_COLUMNS = ("model forward", "place blocks (store + copy)", "parse prompt", "attention bias")
