@@ -23,6 +23,7 @@ Vocabulary
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal, Mapping
 
 ROOT = ""
@@ -159,12 +160,12 @@ class ResolvedPrompt:
         """Segments whose tokens make up the prompt as the model reads it (no slots)."""
         return tuple(s for s in self.segments if s.kind != "slot")
 
-    @property
+    @cached_property
     def token_ids(self) -> tuple[int, ...]:
         """Token ids of the live prompt, in position order."""
         return tuple(t for s in self.live_segments() for t in s.token_ids)
 
-    @property
+    @cached_property
     def position_ids(self) -> tuple[int, ...]:
         """Schema positions of ``token_ids``."""
         return tuple(p for s in self.live_segments() for p in s.position_ids)
