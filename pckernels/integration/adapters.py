@@ -88,6 +88,33 @@ def replaced(owner: object, name: str, replacement: object) -> Iterator[None]:
             setattr(owner, name, saved)
 
 
+def _sdpa_module():
+    try:
+        return importlib.import_module("transformers.integrations.sdpa_attention")
+    except ImportError:
+        return None
+
+
+def grouped_kv_on_cpu(device: torch.device) -> contextlib.AbstractContextManager:
+    """While a masked forward runs on CPU, let HF's SDPA attention pass grouped KV heads to
+    ``scaled_dot_product_attention(enable_gqa=True)`` instead of expanding them with
+    ``repeat_kv`` (HF only does so without a mask, for CUDA's sake: there a mask plus GQA falls
+    back to the math kernel). Same arithmetic per head, so outputs are unchanged; it saves
+    copying every cached K/V ``num_heads / num_kv_heads`` times per layer. No-op elsewhere."""
+    module = _sdpa_module()
+    original = getattr(module, "use_gqa_in_sdpa", None)
+    if device.type != "cpu" or original is None:
+        return contextlib.nullcontext()
+
+    def use_gqa_on_cpu(*args, **kwargs):
+        key = kwargs.get("key", args[1] if len(args) > 1 else None)
+        if key is not None and key.device.type == "cpu":
+            return True
+        return original(*args, **kwargs)
+
+    return replaced(module, "use_gqa_in_sdpa", use_gqa_on_cpu)
+
+
 class ModelAdapter:
     """Adapter for decoder-only models whose positions enter through ``position_ids`` and whose
     attention takes a prepared 4D additive float mask ``[1, 1, q, kv]`` (or a dict of them per
@@ -160,7 +187,7 @@ class ModelAdapter:
         if attention is None:
             out = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
         else:
-            with self.forward_context(attention):
+            with grouped_kv_on_cpu(input_ids.device), self.forward_context(attention):
                 out = self.model(input_ids=input_ids, position_ids=position_ids,
                                  attention_mask=self.attention_mask(attention), **kwargs)
         logits = out.logits[0]
