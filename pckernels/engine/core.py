@@ -166,11 +166,12 @@ class PromptCache:
 
     @property
     def prefix(self):
-        """The exact prefix cache over this model (:class:`pckernels.prefix.PrefixCache`), made on first use."""
+        """The exact prefix cache over this model (:class:`pckernels.prefix.PrefixCache`), made on first use;
+        full blocks it evicts spill into this engine's block store (``docs/prefix.md``)."""
         if self._prefix is None:
             from pckernels.prefix import PrefixCache
 
-            self._prefix = PrefixCache(self.model, self.tokenizer)
+            self._prefix = PrefixCache(self.model, self.tokenizer, spill=self.store, spill_model_id=self.model_id)
         return self._prefix
 
     def complete(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,

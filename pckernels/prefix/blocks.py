@@ -13,6 +13,7 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -102,13 +103,15 @@ class BlockStore:
 
     An entry is evictable only when its ``refcount`` is zero: no child entry hangs from it and no
     request holds it. Eviction therefore always removes leaves, and a stored chain never has a
-    gap. Not thread-safe on its own; the owner serialises calls.
+    gap. ``on_evict(entry)`` runs for each entry evicted for the budget, just before it leaves
+    (not for :meth:`clear`). Not thread-safe on its own; the owner serialises calls.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, on_evict: Callable[[CachedEntry], None] | None = None) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
+        self.on_evict = on_evict
         self._entries: OrderedDict[bytes, CachedEntry] = OrderedDict()
         self.bytes = 0
         self.evictions = 0
@@ -174,21 +177,21 @@ class BlockStore:
 
     def evict_to_budget(self) -> None:
         """Drop least recently used unreferenced entries until the store fits its budget."""
-        while self.bytes > self.budget_bytes:
-            victim = next((e for e in self._entries.values() if e.refcount == 0), None)
-            if victim is None:
-                log.debug("prefix store over budget (%d > %d bytes) but every entry is in use",
-                          self.bytes, self.budget_bytes)
-                return
-            self._remove(victim)
+        self._evict_to(self.budget_bytes, notify=True)
 
     def clear(self) -> None:
-        """Drop every unreferenced entry (entries held by running requests stay)."""
-        budget, self.budget_bytes = self.budget_bytes, 0
-        try:
-            self.evict_to_budget()
-        finally:
-            self.budget_bytes = budget
+        """Drop every unreferenced entry (entries held by running requests stay); ``on_evict`` is not called."""
+        self._evict_to(0, notify=False)
+
+    def _evict_to(self, limit: int, *, notify: bool) -> None:
+        while self.bytes > limit:
+            victim = next((e for e in self._entries.values() if e.refcount == 0), None)
+            if victim is None:
+                log.debug("prefix store over budget (%d > %d bytes) but every entry is in use", self.bytes, limit)
+                return
+            if notify and self.on_evict is not None:
+                self.on_evict(victim)
+            self._remove(victim)
 
     def _remove(self, entry: CachedEntry) -> None:
         del self._entries[entry.key]

@@ -24,12 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
+from pckernels.engine.core import model_fingerprint
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
 from pckernels.errors import UnsupportedModelError
 from pckernels.prefix.blocks import BlockStore, CachedEntry, block_keys, prompt_end_key
 from pckernels.prefix.prompts import Prompt, encode_prompt
-from pckernels.prefix.states import CacheStates, UnsupportedCacheError
+from pckernels.prefix.spill import BlockSpill
+from pckernels.prefix.states import KV, CacheStates, UnsupportedCacheError
+from pckernels.store import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,14 @@ class PrefixCache:
     model's states cannot be restored exactly; otherwise reuse is refused with a logged warning
     and every call computes the full prompt in one pass (results report ``mode="uncached"``).
 
+    ``spill``: a :class:`~pckernels.store.TieredStore` that receives full blocks evicted for the
+    budget (as ``[L, 2, H, block_size, D]`` blocks) and gives them back when a later prompt needs
+    them; with a disk tier they survive a restart. ``spill_model_id``: the model's identity in
+    the store's keys (``model_fingerprint``; computed when omitted). Prompt ends are never
+    spilled, and nothing is when the model has recurrent or convolution layers (their
+    snapshots do not fit that layout): those entries are dropped on eviction. ``clear`` drops
+    without spilling.
+
     Construction runs a small self-check on random tokens: a chunked prefill must agree with a
     one-pass prefill (the model really continues from its cached state), and a prefill resumed
     from restored states, plus a decode step, must be bitwise equal to the uninterrupted one.
@@ -76,7 +87,8 @@ class PrefixCache:
 
     def __init__(self, model, tokenizer=None, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  chunk_size: int | None = None, budget_bytes: int = DEFAULT_BUDGET_BYTES,
-                 strict: bool = False) -> None:
+                 strict: bool = False, spill: TieredStore | None = None,
+                 spill_model_id: str | None = None) -> None:
         chunk_size = block_size if chunk_size is None else chunk_size
         if block_size < 1 or chunk_size < block_size or chunk_size % block_size:
             raise ValueError(f"need block_size >= 1 and chunk_size a multiple of it, got {block_size=}, {chunk_size=}")
@@ -86,7 +98,8 @@ class PrefixCache:
         self.chunk_size = chunk_size
         self.device = next(model.parameters()).device
         self._states = CacheStates(model)
-        self._store = BlockStore(budget_bytes)
+        self.spill: BlockSpill | None = None
+        self._store = BlockStore(budget_bytes, on_evict=self._spill_evicted)
         self._lock = threading.Lock()
         self._root = f"promptcache-prefix/{block_size}/{chunk_size}".encode()
         self._counters = {"queries": 0, "hits": 0, "full_hits": 0, "hit_tokens": 0, "computed_tokens": 0}
@@ -96,6 +109,27 @@ class PrefixCache:
             if strict:
                 raise UnsupportedModelError(message)
             log.warning("%s; prompts will be computed in full", message)
+        self.spill = self._make_spill(spill, spill_model_id)
+
+    def _make_spill(self, store: TieredStore | None, model_id: str | None) -> BlockSpill | None:
+        """The spill target for ``store``, or ``None`` when there is none or this model cannot use one."""
+        if store is None or self.refusal is not None:
+            return None
+        if any(kind != KV for kind in self._states.kinds):
+            log.info("%s has cache layers without growing keys/values; evicted prefix blocks are dropped, "
+                     "not spilled to the store", type(self.model).__name__)
+            return None
+        dtype = next(self.model.parameters()).dtype
+        if model_id is None:
+            model_id = model_fingerprint(self.model, dtype)
+        name = getattr(self.model.config, "_name_or_path", "") or self.model.config.model_type
+        return BlockSpill(store, model_id=model_id, device=self.device, kv_dtype=dtype,
+                          num_layers=len(self._states.kinds), model_name=name)
+
+    def _spill_evicted(self, entry: CachedEntry) -> None:
+        """Eviction hook: write a full block to the spill store (prompt ends are dropped)."""
+        if self.spill is not None and entry.final_logits is None:
+            self.spill.put(entry)
 
     @property
     def reuse_supported(self) -> bool:
@@ -137,11 +171,19 @@ class PrefixCache:
         ``full_hits``: exact repeats served without a forward; ``hit_tokens``: prompt tokens
         restored rather than computed; ``computed_tokens``: prompt tokens computed by those
         queries; ``evictions`` / ``evicted_tokens``: entries and tokens dropped for the budget;
-        ``bytes`` / ``entries``: what the store holds now.
+        ``bytes`` / ``entries``: what the store holds now. ``spill``: whether evicted blocks go to
+        a spill store; ``spilled_blocks``: blocks written there; ``restored_blocks`` /
+        ``restored_tokens``: blocks and tokens read back from it into memory (counted in
+        ``hit_tokens`` as far as a prefill resumed after them).
         """
         with self._lock:
+            spill = self.spill
             return {
                 **self._counters,
+                "spill": spill is not None,
+                "spilled_blocks": spill.spilled_blocks if spill else 0,
+                "restored_blocks": spill.restored_blocks if spill else 0,
+                "restored_tokens": spill.restored_tokens if spill else 0,
                 "evictions": self._store.evictions,
                 "evicted_tokens": self._store.evicted_tokens,
                 "bytes": self._store.bytes,
@@ -154,7 +196,8 @@ class PrefixCache:
             }
 
     def clear(self) -> None:
-        """Drop all stored blocks that no running request holds."""
+        """Drop all stored blocks that no running request holds (without spilling them; blocks
+        spilled earlier stay in the spill store)."""
         with self._lock:
             self._store.clear()
 
@@ -173,10 +216,18 @@ class PrefixCache:
         hold = _Hold()
         with self._lock:
             end_entry = self._store.get(end_key)
-            chain = end_entry.chain() if end_entry is not None else self._resumable(self._store.longest_chain(keys), n)
+            restored: list[CachedEntry] = []
+            if end_entry is not None:
+                chain = end_entry.chain()
+            else:
+                matched = self._store.longest_chain(keys)
+                restored = self._restore_spilled(keys, matched, n)
+                chain = self._resumable(matched + restored, n)
             if chain:
                 hold.entry = chain[-1]
                 self._store.acquire(hold.entry)
+            if restored:
+                self._store.release(restored[-1])
         try:
             cache = self._states.new_cache()
             if chain:
@@ -196,6 +247,30 @@ class PrefixCache:
             self._counters["hit_tokens"] += cached
             self._counters["computed_tokens"] += n - cached
         return _Prefill(logits, cache, cached)
+
+    def _restore_spilled(self, keys: list[bytes], matched: list[CachedEntry], num_tokens: int) -> list[CachedEntry]:
+        """Continue ``matched`` (the in-memory chain of ``keys``) with blocks from the spill store.
+
+        Only blocks a prefill can resume after are read: those ending at or before the last chunk
+        boundary short of ``num_tokens``. Each is inserted into the memory store; the deepest one
+        is returned acquired (the caller releases it), its ancestors held through their children.
+        Call with the lock held.
+        """
+        usable_blocks = (num_tokens - 1) // self.chunk_size * self.chunk_size // self.block_size
+        restored: list[CachedEntry] = []
+        if self.spill is None:
+            return restored
+        parent = matched[-1] if matched else None
+        for index in range(len(matched), usable_blocks):
+            entry = self.spill.get(keys[index], parent, index * self.block_size, self.block_size)
+            if entry is None:
+                break
+            entry = self._store.insert(entry)
+            if restored:
+                self._store.release(restored[-1])
+            restored.append(entry)
+            parent = entry
+        return restored
 
     def _resumable(self, matched: list[CachedEntry], num_tokens: int) -> list[CachedEntry]:
         """The longest prefix of ``matched`` a prefill can resume after: it must end on a chunk

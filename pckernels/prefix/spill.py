@@ -1,0 +1,104 @@
+"""Full prefix blocks demoted to a :class:`~pckernels.store.TieredStore` and brought back from it.
+
+When the prefix cache evicts a full block from memory, its keys/values are written to the tiered
+store (the engine's module store: device, host and disk tiers) as one ``[L, 2, H, n, D]`` block.
+A later lookup whose in-memory chain ends early continues in the store. Only models whose every
+cache layer holds growing keys/values take part: a block of such a model is fully described by
+its keys/values, while recurrent/convolution snapshots of hybrid models have no place in that
+layout.
+
+The store key's digest is ``sha256(format tag, store format version, model identity, device kind,
+chain key)``. The chain key already encodes the block and chunk sizes and every token up to the
+block's end, so equal digests mean equal states, bit for bit, on the same kind of device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+import torch
+
+from pckernels.prefix.blocks import CachedEntry
+from pckernels.store import FORMAT_VERSION, BlockKey, TieredStore
+
+log = logging.getLogger(__name__)
+
+SPILL_FORMAT = "promptcache-prefix-block/1"
+"""Bump when the meaning of a spilled prefix block changes (layout, chunking, key material)."""
+
+SPILL_SCHEMA = "(prefix)"
+"""The ``schema`` field of spilled blocks' keys, which tells them apart in store listings."""
+
+
+class BlockSpill:
+    """Writes evicted full blocks of one model to ``store`` and reads them back as entries.
+
+    ``model_id``: identity of config, weights and dtype (``model_fingerprint``); ``device``: where
+    restored keys/values go, in ``kv_dtype``; ``num_layers``: cache layers (all keys/values);
+    ``model_name``: a label for listings. Counters: ``spilled_blocks`` (blocks written),
+    ``restored_blocks`` / ``restored_tokens`` (blocks and tokens read back). Not thread-safe; the
+    owner serialises calls.
+    """
+
+    def __init__(self, store: TieredStore, *, model_id: str, device: torch.device, kv_dtype: torch.dtype,
+                 num_layers: int, model_name: str = "") -> None:
+        self.store = store
+        self.device = device
+        self.kv_dtype = kv_dtype
+        self.num_layers = num_layers
+        self.model_name = model_name
+        self._prefix = json.dumps({"format": SPILL_FORMAT, "store_format": FORMAT_VERSION, "model": model_id,
+                                   "device": device.type}, sort_keys=True).encode()
+        self.spilled_blocks = 0
+        self.restored_blocks = 0
+        self.restored_tokens = 0
+
+    def key(self, chain_key: bytes, start: int, num_tokens: int) -> BlockKey:
+        """The store key of the block named ``chain_key`` covering tokens ``[start, start + num_tokens)``."""
+        digest = hashlib.sha256(self._prefix)
+        digest.update(chain_key)
+        return BlockKey(digest.hexdigest(), model=self.model_name, schema=SPILL_SCHEMA, module=f"block@{start}",
+                        tokens=num_tokens)
+
+    def put(self, entry: CachedEntry) -> bool:
+        """Write a full block's keys/values to the store unless it holds them already; returns whether written.
+
+        Blocks whose layers differ in shape (per-layer head counts, keys and values of different
+        head sizes) do not fit one ``[L, 2, H, n, D]`` tensor and are not written.
+        """
+        key = self.key(entry.key, entry.start, entry.num_tokens)
+        if key in self.store:
+            return False
+        first_keys = entry.kv[0][0]
+        if any(k.shape != first_keys.shape or v.shape != first_keys.shape for k, v in entry.kv):
+            log.debug("prefix block %s not spilled: its layers' keys/values differ in shape", key.module)
+            return False
+        _, heads, num_tokens, head_dim = first_keys.shape
+        block = torch.empty((len(entry.kv), 2, heads, num_tokens, head_dim), dtype=first_keys.dtype,
+                            device=self.store.device)
+        for layer, (keys, values) in enumerate(entry.kv):
+            block[layer, 0].copy_(keys[0])
+            block[layer, 1].copy_(values[0])
+        self.store.put(key, block)
+        self.spilled_blocks += 1
+        log.debug("spilled prefix block %s (%d tokens) to the store", key.module, entry.num_tokens)
+        return True
+
+    def get(self, chain_key: bytes, parent: CachedEntry | None, start: int, num_tokens: int) -> CachedEntry | None:
+        """The entry for ``chain_key`` rebuilt from the store (keys/values are views of the returned
+        block, moved to ``device`` when the store lives elsewhere), or ``None`` when no tier has it."""
+        key = self.key(chain_key, start, num_tokens)
+        block = self.store.get(key)
+        if block is None:
+            return None
+        if block.dim() != 5 or block.shape[:2] != (self.num_layers, 2) or block.shape[3] != num_tokens:
+            log.warning("ignoring spilled prefix block %s of shape %s (expected [%d, 2, H, %d, D])",
+                        key.digest[:16], tuple(block.shape), self.num_layers, num_tokens)
+            return None
+        block = block.to(device=self.device, dtype=self.kv_dtype)
+        kv = [(block[layer, 0].unsqueeze(0), block[layer, 1].unsqueeze(0)) for layer in range(self.num_layers)]
+        self.restored_blocks += 1
+        self.restored_tokens += num_tokens
+        return CachedEntry(key=chain_key, parent=parent, start=start, num_tokens=num_tokens, kv=kv)
