@@ -96,6 +96,24 @@ def test_limit_spreads_questions_over_the_set():
     assert len({data.bundle_of(q) for q in chosen}) >= 4
 
 
+def test_paired_changes_count_lost_and_gained_answers():
+    from perf.fidelity.runner import paired_changes
+
+    def rec(question, kind, condition, contains):
+        return {"question": question, "kind": kind, "condition": condition, "contains": contains}
+
+    records = [rec("s1", "single", "baseline", 1.0), rec("s1", "single", "independent", 0.0),
+               rec("s2", "single", "baseline", 0.0), rec("s2", "single", "independent", 1.0),
+               rec("s3", "single", "baseline", 1.0), rec("s3", "single", "independent", 1.0),
+               rec("c1", "cross", "baseline", 1.0), rec("c1", "cross", "scaffold", 0.0),
+               rec("c1", "cross", "independent", 0.0)]
+    changes = paired_changes(records)
+    assert changes["single"]["independent"] == {"lost": 1, "gained": 1}
+    assert changes["single"]["baseline"] == {"lost": 0, "gained": 0}
+    assert changes["cross"]["scaffold"] == {"lost": 1, "gained": 0}
+    assert changes["all"]["independent"] == {"lost": 2, "gained": 1}
+
+
 @pytest.mark.slow
 def test_evaluation_runs_end_to_end(tmp_path):
     from perf.fidelity import runner

@@ -216,6 +216,23 @@ def summarize(records: list[Record], conds: list[Condition]) -> dict:
     return out
 
 
+def paired_changes(records: list[dict]) -> dict[str, dict[str, dict[str, int]]]:
+    """``{kind: {condition: {"lost": n, "gained": n}}}``: questions whose answer baseline
+    contained and the condition did not (lost), and the reverse (gained). With a few dozen
+    questions a kind, this pairing separates a real change from noise better than the
+    difference of two accuracies does."""
+    base = {r["question"]: r["contains"] for r in records if r["condition"] == "baseline"}
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for r in records:
+        if r["question"] not in base:
+            continue
+        for kind in (r["kind"], "all"):
+            counts = out.setdefault(kind, {}).setdefault(r["condition"], {"lost": 0, "gained": 0})
+            counts["lost"] += int(base[r["question"]] > r["contains"])
+            counts["gained"] += int(base[r["question"]] < r["contains"])
+    return out
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     planned = s.get("planned_questions", s["questions"])
@@ -225,16 +242,20 @@ def markdown(report: dict) -> str:
              f"stop at a newline or the end of the first sentence. EM / F1 / contains in %; "
              f"agree: identical generated tokens as baseline; "
              f"first: same first token; KL: mean KL(baseline || condition) of the first-token distribution "
-             f"(nats); TTFT median; computed: prompt tokens computed per question.", ""]
+             f"(nats); lost / gained: questions whose answer baseline contained and this condition did not, "
+             f"and the reverse; TTFT median; computed: prompt tokens computed per question.", ""]
+    changes = paired_changes(report["records"])
     for kind in (*KINDS, "all"):
         rows = report["summary"].get(kind, {})
         if not rows:
             continue
         lines += [f"## {kind} ({next(iter(rows.values()))['n']} questions)", "",
-                  "| condition | EM | F1 | contains | agree | first | KL | TTFT ms | computed |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| condition | EM | F1 | contains | lost / gained | agree | first | KL | TTFT ms | computed |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, m in rows.items():
-            lines.append(f"| {name} | {m['em']:.1f} | {m['f1']:.1f} | {m['contains']:.1f} | {m['agree']:.1f} | "
+            change = changes.get(kind, {}).get(name, {"lost": 0, "gained": 0})
+            lines.append(f"| {name} | {m['em']:.1f} | {m['f1']:.1f} | {m['contains']:.1f} | "
+                         f"{change['lost']} / {change['gained']} | {m['agree']:.1f} | "
                          f"{m['first_agree']:.1f} | {m['kl']:.3f} | {m['ttft_median_ms']:.0f} | "
                          f"{m['computed_tokens']:.0f} |")
         lines.append("")
@@ -242,24 +263,27 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Accuracy (answer contained) per kind against median TTFT (top; noisy on a shared CPU) and
-    against prompt tokens computed (bottom; deterministic), recompute sweeps as lines."""
+    """Per question kind: answer accuracy ("contains") against median TTFT (noisy on a shared
+    CPU) and against prompt tokens computed (deterministic), and the first-token KL from
+    baseline against TTFT (the sharper signal on a few dozen questions); recompute sweeps as lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     kinds = [k for k in KINDS if report["summary"].get(k)]
-    axes_x = (("ttft_median_ms", "median TTFT (ms, log)"), ("computed_tokens", "prompt tokens computed (log)"))
-    fig, axes = plt.subplots(2, len(kinds), figsize=(6.5 * len(kinds), 9), squeeze=False)
+    panels = (("ttft_median_ms", "median TTFT (ms, log)", "contains", "answer contained (%)"),
+              ("computed_tokens", "prompt tokens computed (log)", "contains", "answer contained (%)"),
+              ("ttft_median_ms", "median TTFT (ms, log)", "kl", "first-token KL from baseline (nats, symlog)"))
+    fig, axes = plt.subplots(len(panels), len(kinds), figsize=(6.5 * len(kinds), 13), squeeze=False)
     markers = {"baseline": ("k", "s"), "prefix": ("tab:gray", "D"), "independent": ("tab:red", "o"),
                "scaffold": ("tab:green", "*")}
-    for row, (x_key, x_label) in enumerate(axes_x):
+    for row, (x_key, x_label, y_key, y_label) in enumerate(panels):
         for ax, kind in zip(axes[row], kinds):
             rows = report["summary"][kind]
             for name, (colour, marker) in markers.items():
                 if name in rows:
-                    ax.scatter(rows[name][x_key], rows[name]["contains"], c=colour, marker=marker, s=80,
+                    ax.scatter(rows[name][x_key], rows[name][y_key], c=colour, marker=marker, s=80,
                                label=name, zorder=3)
             for policy, colour in (("first", "tab:blue"), ("deviation", "tab:purple")):
                 sweep = sorted((m["share"], m) for m in rows.values() if m["policy"] == policy)
@@ -268,20 +292,23 @@ def plot(report: dict, path: Path) -> None:
                 if not sweep:
                     continue
                 points = ([(0.0, rows["independent"])] if "independent" in rows else []) + sweep
-                ax.plot([m[x_key] for _, m in points], [m["contains"] for _, m in points], "-o", c=colour,
+                ax.plot([m[x_key] for _, m in points], [m[y_key] for _, m in points], "-o", c=colour,
                         label=f"recompute {policy}")
                 for share, m in sweep:
-                    ax.annotate(f"{share:g}", (m[x_key], m["contains"]), textcoords="offset points",
+                    ax.annotate(f"{share:g}", (m[x_key], m[y_key]), textcoords="offset points",
                                 xytext=(4, -10), fontsize=8, color=colour)
             ax.set_xscale("log")
+            if y_key == "kl":
+                ax.set_yscale("symlog", linthresh=1e-3)
+                ax.set_ylim(bottom=0)
             ax.set_xlabel(x_label)
-            ax.set_ylabel("answer contained (%)")
+            ax.set_ylabel(y_label)
             ax.set_title(f"{kind}-document questions (n={next(iter(rows.values()))['n']})")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     fig.suptitle(f"Fidelity vs cost, {report['settings']['model']} ({report['settings']['machine']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
