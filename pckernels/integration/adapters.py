@@ -15,6 +15,7 @@ unusual cache layouts) live in :mod:`pckernels.integration.families`, each a sma
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import logging
@@ -88,7 +89,9 @@ def replaced(owner: object, name: str, replacement: object) -> Iterator[None]:
             setattr(owner, name, saved)
 
 
+@functools.cache
 def _sdpa_module():
+    """HF's SDPA attention module (imported once), or None when this transformers lacks it."""
     try:
         return importlib.import_module("transformers.integrations.sdpa_attention")
     except ImportError:
