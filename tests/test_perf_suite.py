@@ -22,7 +22,8 @@ from pckernels.engine import PromptCache  # noqa: E402
 from perf import gpu_suite  # noqa: E402
 from perf.suite.config import EXPERIMENTS, SuiteConfig  # noqa: E402
 from perf.suite.context import natural_order_ids  # noqa: E402
-from perf.suite.runner import run_suite, write_results  # noqa: E402
+from perf.suite import runner  # noqa: E402
+from perf.suite.runner import read_checkpoint, run_suite, write_results  # noqa: E402
 from perf.suite.tokenizer import WordTokenizer  # noqa: E402
 
 VOCAB = 512
@@ -59,6 +60,42 @@ def test_every_experiment_runs_and_is_reported(engine, tmp_path):
     assert fractions == sorted(fractions)
     measured = results["experiments"]["memory"]["measured"]
     assert measured["store_bytes_per_token"] == measured["computed_bytes_per_token"]
+
+
+def test_interrupted_run_keeps_its_finished_experiments_and_resume_runs_only_the_rest(engine, tmp_path,
+                                                                                     monkeypatch):
+    checkpoint = tmp_path / "suite.partial.json"
+    config = SuiteConfig.tiny().with_overrides(experiments=["memory", "amortisation"])
+
+    class Interrupted:
+        steps = staticmethod(lambda bench: 1)
+
+        @staticmethod
+        def run(bench):
+            raise KeyboardInterrupt
+
+    class MustNotRun(Interrupted):
+        @staticmethod
+        def run(bench):
+            raise AssertionError("a finished experiment ran again")
+
+    with monkeypatch.context() as patch:
+        patch.setitem(runner.EXPERIMENT_MODULES, "amortisation", Interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run_suite(engine, config, show_progress=False, checkpoint=checkpoint)
+    partial = read_checkpoint(checkpoint)
+    assert list(partial["experiments"]) == ["memory"] and partial["complete"] is False
+
+    with monkeypatch.context() as patch:
+        patch.setitem(runner.EXPERIMENT_MODULES, "memory", MustNotRun)
+        resumed = run_suite(engine, config, show_progress=False, checkpoint=checkpoint, resume=partial)
+    assert resumed["complete"] and resumed["resumed"]["experiments"] == ["memory"]
+    assert resumed["experiments"]["memory"] == partial["experiments"]["memory"]
+    assert list(read_checkpoint(checkpoint)["experiments"]) == ["memory", "amortisation"]
+    assert "Resumed: memory" in write_results(resumed, tmp_path / "out").read_text()
+
+    with pytest.raises(ValueError, match="repeats"):
+        run_suite(engine, config.with_overrides(repeats=7), show_progress=False, resume=partial)
 
 
 def test_natural_order_moves_only_the_named_modules(engine):

@@ -12,11 +12,12 @@ from perf.suite.config import EXPERIMENTS, SuiteConfig
 DESCRIPTION = """promptcache performance suite: TTFT vs length (baseline / Prompt Cache / floor), workloads
 (no reuse / exact prefix reuse / Prompt Cache), cache-hit-ratio sweep, encoding amortisation, memory
 per token, decode rate. Writes suite.json, summary.md and PNG plots under
-perf/results/<machine>/<preset>/.
+perf/results/<machine>/<preset>/; while it runs, suite.partial.json there holds the experiments done.
 
   python -m perf --quick                  a few minutes on 2 CPU cores
   python -m perf                          the full run (512 -> 8K tokens)
   python -m perf --only ttft --lengths 512 1024 --repeats 3
+  python -m perf --resume                 go on after an interrupted run (same settings)
   python -m perf --gpu [--dry-run]        the one-shot GPU suite (perf/gpu_suite.py)
 """
 
@@ -35,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", type=Path, help="output directory (default perf/results/<machine>/<preset>)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the experiments an interrupted run of the same settings finished (its "
+                         "suite.partial.json in the output directory) and run only the rest")
     ap.add_argument("--gpu", action="store_true", help="run perf/gpu_suite.py with the remaining arguments")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pckernels.engine import PromptCache
-    from perf.suite.runner import default_out_dir, run_suite, write_results
+    from perf.suite.runner import PARTIAL_NAME, default_out_dir, read_checkpoint, run_suite, write_results
 
     torch.set_num_threads(args.threads)
     preset = args.preset or ("quick" if args.quick else "full")
@@ -64,9 +68,19 @@ def main(argv: list[str] | None = None) -> int:
         config.name = f"{preset}-custom"
     print(f"loading {args.model} …", flush=True)
     engine = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=False)
-    results = run_suite(engine, config, show_progress=not args.no_progress)
     out_dir = args.out or default_out_dir(engine, config)
+    checkpoint = out_dir / PARTIAL_NAME
+    previous = read_checkpoint(checkpoint) if args.resume else None
+    if args.resume and previous is None:
+        print(f"nothing to resume in {out_dir}: starting from the beginning", flush=True)
+    try:
+        results = run_suite(engine, config, show_progress=not args.no_progress, checkpoint=checkpoint,
+                            resume=previous)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     summary = write_results(results, out_dir)
+    checkpoint.unlink(missing_ok=True)
     print(summary.read_text())
     print(f"\nwrote {out_dir}/suite.json, summary.md and plots", flush=True)
     return 0

@@ -166,6 +166,10 @@ def markdown(results: dict, plots: list[Path]) -> str:
         lines += [f"Load average (1 min) at start / end: {load['start']:.1f} / {load['end']:.1f} on "
                   f"{env['cores']} cores{' — the machine was busy; treat timings as noisy' if load['busy'] else ''}.",
                   ""]
+    resumed = results.get("resumed")
+    if resumed and resumed["experiments"]:
+        lines += [f"Resumed: {', '.join(resumed['experiments'])} from the interrupted run started "
+                  f"{resumed['environment']['started']} (same settings).", ""]
     lines += ["## Targets", "", *targets(results), ""]
     if plots:
         lines += [f"![overview]({plots[0].name})", ""]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import os
 import platform
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 EXPERIMENT_MODULES = {"ttft": ttft, "workloads": workloads, "hit_ratio": hit_ratio, "amortisation": amortisation,
                       "memory": memory, "decode": decode}
 RESULTS_ROOT = Path(__file__).resolve().parents[1] / "results"
+PARTIAL_NAME = "suite.partial.json"
 
 
 def machine_name(device: torch.device | str = "cpu") -> str:
@@ -62,20 +64,33 @@ def _load_average() -> float | None:
         return None
 
 
-def run_suite(engine: PromptCache, config: SuiteConfig, *, show_progress: bool = True) -> dict:
+def run_suite(engine: PromptCache, config: SuiteConfig, *, show_progress: bool = True,
+              checkpoint: Path | None = None, resume: dict | None = None) -> dict:
     """Run ``config.experiments`` in order; returns the ``environment``, the ``config``, the
     ``experiments``' results, their ``seconds`` and ``elapsed_s``.
 
     The engine's store and the prefix cache are emptied between experiments so that each one
-    starts from the same state and memory stays bounded."""
+    starts from the same state and memory stays bounded. With ``checkpoint`` the results so far are
+    written there (JSON, ``"complete": false``) after every experiment; ``resume`` is such a partial
+    result of the same config: its finished experiments are kept and not run again."""
     env = environment(engine)
     load_start = _load_average()
     started = time.perf_counter()
-    results: dict = {"environment": env, "config": config.to_dict(), "experiments": {}, "seconds": {}}
+    results: dict = {"environment": env, "config": config.to_dict(), "experiments": {}, "seconds": {},
+                     "complete": False}
+    if resume is not None:
+        _check_resumable(resume, config)
+        kept = [name for name in config.experiments if name in resume["experiments"]]
+        results["experiments"] = {name: resume["experiments"][name] for name in kept}
+        results["seconds"] = {name: resume["seconds"][name] for name in kept}
+        results["resumed"] = {"experiments": kept, "environment": resume["environment"]}
+        log.info("resuming: keeping %s from %s", ", ".join(kept) or "nothing", resume["environment"]["started"])
     progress = _progress() if show_progress else None
     bench = Bench(engine, config, Ticker(progress))
     with progress if progress is not None else contextlib.nullcontext():
         for name in config.experiments:
+            if name in results["experiments"]:
+                continue
             module = EXPERIMENT_MODULES[name]
             log.info("%s: %d measurements", name, module.steps(bench))
             bench.ticker.start(name, module.steps(bench))
@@ -85,13 +100,42 @@ def run_suite(engine: PromptCache, config: SuiteConfig, *, show_progress: bool =
             results["seconds"][name] = time.perf_counter() - t0
             log.info("%s done in %.1f s", name, results["seconds"][name])
             bench.clear_caches()
+            if checkpoint is not None:
+                write_checkpoint(results, checkpoint)
     results["elapsed_s"] = time.perf_counter() - started
     load_end = _load_average()
     if load_start is not None and load_end is not None:
         cores = os.cpu_count() or 1
         env["load_average"] = {"start": load_start, "end": load_end,
                                "busy": max(load_start, load_end) > cores + 0.5}
+    results["complete"] = True
     return results
+
+
+def _check_resumable(previous: dict, config: SuiteConfig) -> None:
+    """Refuse to mix results measured with different settings."""
+    old = dict(previous.get("config") or {})
+    new = config.to_dict()
+    old.pop("experiments", None)
+    new.pop("experiments", None)
+    if old != new:
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise ValueError(f"cannot resume: the earlier run's settings differ in {', '.join(changed)}")
+
+
+def write_checkpoint(results: dict, path: Path) -> None:
+    """The results so far as JSON at ``path``, replaced atomically (a killed run leaves the last one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".part")
+    partial.write_text(json.dumps(results, indent=1, default=str))
+    os.replace(partial, path)
+
+
+def read_checkpoint(path: Path) -> dict | None:
+    """A previous run's results at ``path``, or ``None`` when there is none."""
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
 
 
 def _progress():
