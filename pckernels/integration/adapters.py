@@ -118,6 +118,86 @@ def grouped_kv_on_cpu(device: torch.device) -> contextlib.AbstractContextManager
     return replaced(module, "use_gqa_in_sdpa", use_gqa_on_cpu)
 
 
+QUERY_CHUNK = 256
+"""Query rows per SDPA call when a long masked forward runs on CPU (see :func:`query_chunked_on_cpu`)."""
+
+
+def visible_extents(mask: torch.Tensor, chunk: int) -> list[int]:
+    """For each run of ``chunk`` query rows of the additive ``mask [b, h, q, kv]``: one past the
+    last key column any of those rows may see (``kv`` when a run sees nothing at all)."""
+    visible = (mask != float("-inf")).any(dim=1).any(dim=0)
+    rows, keys = visible.shape
+    runs = -(-rows // chunk)
+    padded = torch.zeros(runs * chunk, keys, dtype=torch.bool, device=mask.device)
+    padded[:rows] = visible
+    seen = padded.view(runs, chunk, keys).any(dim=1)
+    last = (seen * torch.arange(1, keys + 1, device=mask.device)).amax(dim=1)
+    return [int(x) if x > 0 else keys for x in last.tolist()]
+
+
+def _query_chunked(attend: Callable, chunk: int) -> Callable:
+    """``attend`` (HF's SDPA attention function) run ``chunk`` query rows at a time, each run over
+    the keys up to the last one it may see. CPU SDPA cannot skip masked blocks, so a long span of
+    new text (each token seeing the cached rows and the new rows before it) otherwise pays for
+    the whole ``q x kv`` rectangle: twice the causal triangle's work when all the text is new."""
+    extents: dict[tuple, list[int]] = {}
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        rows = query.shape[2]
+        if (query.device.type != "cpu" or rows <= chunk or attention_mask is None or attention_mask.ndim != 4
+                or attention_mask.dtype == torch.bool or attention_mask.shape[-2] != rows
+                or kwargs.get("position_bias") is not None):
+            return attend(module, query, key, value, attention_mask, *args, **kwargs)
+        mask = attention_mask[..., :key.shape[2]]
+        memo = (mask.data_ptr(), tuple(mask.shape), mask.stride())
+        if memo not in extents:
+            extents[memo] = visible_extents(mask, chunk)
+        if min(extents[memo]) == key.shape[2]:
+            return attend(module, query, key, value, attention_mask, *args, **kwargs)
+        pieces = []
+        for index, stop in enumerate(extents[memo]):
+            first, last = index * chunk, min(index * chunk + chunk, rows)
+            out, _ = attend(module, query[:, :, first:last], key[:, :, :stop], value[:, :, :stop],
+                            mask[:, :, first:last, :stop], *args, **kwargs)
+            pieces.append(out)
+        return torch.cat(pieces, dim=1), None
+
+    return attention
+
+
+@functools.cache
+def _attention_functions():
+    """HF's attention-function registry (``ALL_ATTENTION_FUNCTIONS``), or None without one."""
+    try:
+        return importlib.import_module("transformers.modeling_utils").ALL_ATTENTION_FUNCTIONS
+    except (ImportError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def query_chunked_on_cpu(device: torch.device, chunk: int | None = None) -> Iterator[None]:
+    """While a masked forward runs on CPU, HF's ``"sdpa"`` attention goes through
+    :func:`_query_chunked`: a prompt whose uncached text is long costs about what a causal prefill
+    of that text costs, not up to twice as much. Each query row sees the same keys and mask
+    values, so outputs agree to rounding (the kernel's blocking changes). No-op elsewhere.
+    ``chunk``: query rows per call (default :data:`QUERY_CHUNK`)."""
+    registry = _attention_functions()
+    local = getattr(registry, "_local_mapping", None)
+    if device.type != "cpu" or local is None:
+        yield
+        return
+    missing = object()
+    saved = local.get("sdpa", missing)
+    local["sdpa"] = _query_chunked(registry["sdpa"], QUERY_CHUNK if chunk is None else chunk)
+    try:
+        yield
+    finally:
+        if saved is missing:
+            del local["sdpa"]
+        else:
+            local["sdpa"] = saved
+
+
 class ModelAdapter:
     """Adapter for decoder-only models whose positions enter through ``position_ids`` and whose
     attention takes a prepared 4D additive float mask ``[1, 1, q, kv]`` (or a dict of them per
@@ -190,7 +270,8 @@ class ModelAdapter:
         if attention is None:
             out = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
         else:
-            with grouped_kv_on_cpu(input_ids.device), self.forward_context(attention):
+            with (grouped_kv_on_cpu(input_ids.device), query_chunked_on_cpu(input_ids.device),
+                  self.forward_context(attention)):
                 out = self.model(input_ids=input_ids, position_ids=position_ids,
                                  attention_mask=self.attention_mask(attention), **kwargs)
         logits = out.logits[0]
