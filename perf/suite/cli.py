@@ -29,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", choices=("full", "quick", "tiny"), default=None)
     ap.add_argument("--only", nargs="+", choices=EXPERIMENTS, help="run only these experiments")
     ap.add_argument("--repeats", type=int, help="interleaved rounds per measurement")
+    ap.add_argument("--ttft-repeats", type=int,
+                    help="rounds for TTFT vs length only (default: --repeats); its ratios to the floor are "
+                         "a few percent and need more rounds than the rest")
     ap.add_argument("--lengths", type=int, nargs="+", help="TTFT prompt lengths in tokens")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     ap.add_argument("--model", default="smollm2", help="model name or path (default: the embedded SmolLM2)")
@@ -63,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     preset = args.preset or ("quick" if args.quick else "full")
     config = SuiteConfig.named(preset).with_overrides(experiments=args.only, repeats=args.repeats,
-                                                      lengths=args.lengths)
-    if args.only or args.repeats or args.lengths:
+                                                      ttft_repeats=args.ttft_repeats, lengths=args.lengths)
+    if args.only or args.repeats or args.ttft_repeats or args.lengths:
         config.name = f"{preset}-custom"
     print(f"loading {args.model} …", flush=True)
     engine = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=False)
