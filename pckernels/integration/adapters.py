@@ -126,13 +126,10 @@ def visible_extents(mask: torch.Tensor, chunk: int) -> list[int]:
     """For each run of ``chunk`` query rows of the additive ``mask [b, h, q, kv]``: one past the
     last key column any of those rows may see (``kv`` when a run sees nothing at all)."""
     visible = (mask != float("-inf")).any(dim=1).any(dim=0)
-    rows, keys = visible.shape
-    runs = -(-rows // chunk)
-    padded = torch.zeros(runs * chunk, keys, dtype=torch.bool, device=mask.device)
-    padded[:rows] = visible
-    seen = padded.view(runs, chunk, keys).any(dim=1)
-    last = (seen * torch.arange(1, keys + 1, device=mask.device)).amax(dim=1)
-    return [int(x) if x > 0 else keys for x in last.tolist()]
+    keys = visible.shape[1]
+    per_row = (visible * torch.arange(1, keys + 1, device=mask.device)).amax(dim=1)
+    last = [int(run.max()) for run in per_row.split(chunk)]
+    return [x if x > 0 else keys for x in last]
 
 
 def _query_chunked(attend: Callable, chunk: int) -> Callable:
@@ -144,7 +141,7 @@ def _query_chunked(attend: Callable, chunk: int) -> Callable:
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         rows = query.shape[2]
-        if (query.device.type != "cpu" or rows <= chunk or attention_mask is None or attention_mask.ndim != 4
+        if (rows <= chunk or attention_mask is None or attention_mask.ndim != 4
                 or attention_mask.dtype == torch.bool or attention_mask.shape[-2] != rows
                 or kwargs.get("position_bias") is not None):
             return attend(module, query, key, value, attention_mask, *args, **kwargs)
