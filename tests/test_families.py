@@ -18,7 +18,8 @@ from family_models import BY_NAME, FAMILIES, WINDOW
 from pckernels import PMLError, UnsupportedModelError
 from pckernels.engine import PromptCache
 from pckernels.engine.plan import plan_cached
-from pckernels.integration.adapters import AttentionSpec, adapter_for, supported_families, windowed_bias
+from pckernels.integration.adapters import AttentionSpec, adapter_for, probe_kv_layout, supported_families, \
+    windowed_bias
 from test_engine import PROMPTS, SCHEMA
 
 FP32_TOL = 1e-3
@@ -146,15 +147,63 @@ def test_gemma3_module_longer_than_window(tokenizer):
     assert set(windows) == {"sliding_attention", "full_attention"}
 
 
-def test_kv_layout_matches_what_the_model_caches(tokenizer):
-    for name in ("falcon", "falcon-new", "falcon-alibi", "mpt", "bloom", "gpt2", "gemma3"):
-        pc = prompt_cache(name, tokenizer)
-        cache = DynamicCache(config=pc.model.config)
-        with torch.inference_mode():
-            pc.adapter.forward(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], None, cache)
-        keys = cache.layers[0].keys
-        layout = pc.adapter.kv_layout()
-        assert keys.shape == (1, layout.num_kv_heads, 3, layout.head_dim), name
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_kv_layout_matches_what_the_model_caches(tokenizer, family):
+    """The probed layout is what the installed transformers caches in every layer (Falcon's
+    new decoder architecture cached expanded heads up to 5.24 and grouped ones from 5.25)."""
+    pc = prompt_cache(family.name, tokenizer)
+    cache = DynamicCache(config=pc.model.config)
+    with torch.inference_mode():
+        pc.adapter.forward(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], None, cache)
+    layout = pc.adapter.kv_layout()
+    cached = [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel()]
+    assert layout.num_layers == len(cached) == pc.model.config.num_hidden_layers
+    for layer in cached:
+        assert layer.keys.shape == (1, layout.num_kv_heads, 3, layout.head_dim), family.name
+        assert layer.values.shape == layer.keys.shape
+    assert pc.buffer.data.shape[:3] == (layout.num_layers, 2, layout.num_kv_heads)
+
+
+def test_kv_probe_reads_the_model_not_its_config(tokenizer):
+    """A config that misstates the KV heads cannot mislead the probe: it reads what the layers cache."""
+    model = BY_NAME["llama"].build(len(tokenizer))
+    adapter = adapter_for(model)
+    model.config.num_key_value_heads = 6
+    model.config.head_dim = 4
+    layout, layers = probe_kv_layout(adapter)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (2, 2, 8)
+    assert layers == (0, 1)
+
+
+def test_kv_probe_finds_the_attention_layers_of_a_hybrid(tokenizer):
+    """Recurrent layers keep no KV: the probe names the attention layers, and the engine refuses
+    the model for modular reuse with a message pointing at exact prefix reuse."""
+    from pckernels.integration.adapters import ModelAdapter
+    from pckernels.prefix.testing import tiny_model
+
+    model = tiny_model("lfm2", len(tokenizer))
+    adapter = ModelAdapter(model)
+    layout, layers = probe_kv_layout(adapter)
+    assert layers == (1, 3)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (2, 2, 16)
+    with pytest.raises(UnsupportedModelError, match=r"only in layers \[1, 3\].*complete"):
+        adapter.kv_layout()
+
+
+def test_kv_probe_refuses_keys_and_values_of_different_shapes(tokenizer):
+    """Multi-head latent attention (transformers 5.25) caches its latent and its rotated keys as the
+    pair: of different widths here, which the buffer cannot hold."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from pckernels.integration.adapters import ModelAdapter
+
+    config = DeepseekV3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                              moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=2, n_routed_experts=2, num_experts_per_tok=1, n_group=1,
+                              topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=12,
+                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    model = DeepseekV3ForCausalLM(config).eval()
+    with pytest.raises(UnsupportedModelError, match="keys .* and values"):
+        probe_kv_layout(ModelAdapter(model))
 
 
 def test_gpt2_schema_must_fit_n_positions(tokenizer):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+from transformers import DynamicCache
 
 from pckernels.errors import UnsupportedModelError
 
@@ -53,6 +54,62 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+class _ProbeCache(DynamicCache):
+    """The model's own dynamic cache, recording per layer index the key/value shapes a forward
+    hands to ``update`` (recurrent layers of hybrids keep their own states and are not recorded)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config=config)
+        self.seen: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.seen[layer_idx] = (tuple(key_states.shape), tuple(value_states.shape))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+PROBE_TOKENS = 3
+"""Tokens in the probe forward (more than one, so a model cannot special-case decoding)."""
+
+
+def probe_kv_layout(adapter: "ModelAdapter") -> tuple[KVLayout, tuple[int, ...]]:
+    """What ``adapter.model`` really caches, read off one forward of :data:`PROBE_TOKENS` tokens
+    through a recording cache with the engine's kind of attention (4D mask, the adapter's patches).
+
+    Returns the layout and the indices of the layers that cached keys and values. Raises
+    ``UnsupportedModelError`` when the layers disagree on heads or head dim, or keys and values
+    differ in shape: the assembly buffer holds ``[L, 2, H, rows, D]``.
+    """
+    model = adapter.model
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    n = PROBE_TOKENS
+    ids = torch.zeros(1, n, dtype=torch.long, device=device)
+    positions = torch.arange(n, device=device)
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    bias = torch.zeros(n, n, dtype=dtype, device=device).masked_fill(~causal, float("-inf"))
+    cache = _ProbeCache(model.config)
+    with torch.inference_mode():
+        adapter.forward(ids, positions[None], AttentionSpec(bias, positions, positions), cache)
+    seen = cache.seen
+    name = getattr(model.config, "model_type", type(model).__name__)
+    if not seen:
+        raise UnsupportedModelError(f"model type {name!r} cached no keys or values in a probe forward")
+    shapes = {}
+    for index, (key, value) in seen.items():
+        if key != value or len(key) != 4 or key[0] != 1 or key[2] != n:
+            raise UnsupportedModelError(
+                f"model type {name!r}, layer {index}: cached keys {key} and values {value}; module reuse "
+                f"needs both as [1, heads, {n}, head_dim]")
+        shapes.setdefault((key[1], key[3]), []).append(index)
+    if len(shapes) > 1:
+        detail = "; ".join(f"layers {v}: {h} heads x {d}" for (h, d), v in shapes.items())
+        raise UnsupportedModelError(f"model type {name!r} caches different KV shapes per layer ({detail}); "
+                                    "module reuse needs one shape for every layer")
+    (heads, head_dim), = shapes
+    layers = tuple(sorted(seen))
+    return KVLayout(len(layers), heads, head_dim), layers
 
 
 def windowed_bias(spec: AttentionSpec, window: int | None) -> torch.Tensor:
@@ -216,6 +273,7 @@ class ModelAdapter:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._takes_logits_to_keep = "logits_to_keep" in params
         self.windows = self._layer_windows()
+        self._layout: KVLayout | None = None
 
     def _layer_windows(self) -> dict[str, int | None] | int | None:
         """Sliding windows: ``{layer_type: window or None}`` when the model has sliding layer types
@@ -229,11 +287,18 @@ class ModelAdapter:
         return getattr(cfg, "sliding_window", None)
 
     def kv_layout(self) -> KVLayout:
-        cfg = self.text_config
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim)
+        """Layers, KV heads and head dim as the model really caches them (:func:`probe_kv_layout`,
+        run once per adapter), so no assumption about a family or a transformers version is made.
+        Every layer must cache: a layer without KV (recurrent, shared KV) has no block to reuse."""
+        if self._layout is None:
+            layout, layers = probe_kv_layout(self)
+            if layers != tuple(range(len(layers))):
+                raise UnsupportedModelError(
+                    f"model type {self.config.model_type!r} caches keys and values only in layers {list(layers)}; "
+                    "modular reuse needs every layer's attention states (recurrent or KV-sharing layers "
+                    "are supported by exact prefix reuse, cache.complete())")
+            self._layout = layout
+        return self._layout
 
     def max_positions(self) -> int | None:
         """Positions the model can take. RoPE whose frequencies depend on the forward's largest

@@ -1,7 +1,7 @@
 """Falcon: RoPE or ALiBi (``config.alibi``), multi-query or grouped KV heads.
 
-KV layout: with ``new_decoder_architecture`` HF broadcasts each KV group to every query head
-before caching, so the cache holds ``num_attention_heads`` heads; plain multi-query caches one.
+KV layout: probed like every family's (transformers 5.24 broadcast each KV group of
+``new_decoder_architecture`` to every query head before caching, 5.25 caches the groups).
 ALiBi: Falcon builds it from the 2D mask's cumulative sum with the module-level
 ``build_alibi_tensor``; while a promptcache attention is in force that function is replaced by
 one returning ALiBi from schema positions (shape ``[H, 1, kv]``: Falcon views it per key, and
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from pckernels.integration.adapters import AttentionSpec, KVLayout, ModelAdapter, alibi_bias, register_adapter, \
+from pckernels.integration.adapters import AttentionSpec, ModelAdapter, alibi_bias, register_adapter, \
     replaced
 
 
@@ -27,12 +27,6 @@ class FalconAdapter(ModelAdapter):
         self._modeling = sys.modules[type(model.base_model).__module__]
         heads = self.config.num_attention_heads
         self._slopes = self._modeling.build_alibi_tensor(torch.ones(1, 2), heads, torch.float32)[:, 0, 1]
-
-    def kv_layout(self) -> KVLayout:
-        cfg = self.config
-        heads = cfg.num_attention_heads
-        kv_heads = heads if cfg.new_decoder_architecture else 1 if cfg.multi_query else cfg.num_kv_heads
-        return KVLayout(cfg.num_hidden_layers, kv_heads, cfg.hidden_size // heads)
 
     def max_positions(self) -> int | None:
         return None if self.config.alibi else super().max_positions()
