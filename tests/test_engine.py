@@ -230,17 +230,6 @@ def test_embedded_model_demo_schema_is_exact():
         assert got.text.strip()
 
 
-def test_model_fingerprint_sees_middle_layers(tokenizer):
-    from pckernels.engine.core import model_fingerprint
-
-    a = tiny_llama(len(tokenizer), layers=3)
-    b = tiny_llama(len(tokenizer), layers=3)
-    assert model_fingerprint(a, torch.float32) == model_fingerprint(b, torch.float32)
-    with torch.no_grad():
-        b.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
-    assert model_fingerprint(a, torch.float32) != model_fingerprint(b, torch.float32)
-
-
 def test_complete_reuses_prefixes_exactly(cache):
     messages = [{"role": "system", "content": "You answer briefly."},
                 {"role": "user", "content": "Name three colours of the rainbow, please."}]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
 from pckernels.errors import PMLError
 from pckernels.integration.adapters import AttentionSpec, ModelAdapter, adapter_for
+from pckernels.integration.identity import model_fingerprint, weight_files
 from pckernels.pml import parse_prompt, parse_schema
 from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
@@ -47,20 +47,6 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype, samples_per_tensor: int = 1024) -> str:
-    """Identity of a model for cache keys: its config, dtype and a strided sample of every
-    parameter (name, shape and up to ``samples_per_tensor`` values spread over the tensor), so
-    two fine-tunes that differ in any layer get different keys."""
-    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    h.update(str(dtype).encode())
-    for name, param in model.named_parameters():
-        flat = param.detach().reshape(-1)
-        stride = max(1, flat.numel() // samples_per_tensor)
-        h.update(f"{name}:{tuple(param.shape)}".encode())
-        h.update(flat[::stride][:samples_per_tensor].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:32]
-
-
 class PromptCache:
     """Modular KV reuse over a HuggingFace causal LM.
 
@@ -73,12 +59,17 @@ class PromptCache:
     ``host_budget`` bytes (or ``"2GiB"``-style strings; ``None``: a quarter of the GPU or 1 GiB on
     CPU, and 4 GiB), and a disk tier of ``disk_budget`` (default 20 GiB) in ``store_dir`` —
     none unless given here; ``from_pretrained`` turns it on by default.
+
+    ``model_id`` names the weights in cache keys; by default every tensor is hashed
+    (:func:`pckernels.integration.identity.model_fingerprint`), ``from_pretrained`` hashes the
+    weight files once instead.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, name: str | None = None,
                  store_dir: str | os.PathLike | None = None, device_budget: int | str | None = None,
-                 host_budget: int | str | None = None, disk_budget: int | str | None = None) -> None:
+                 host_budget: int | str | None = None, disk_budget: int | str | None = None,
+                 model_id: str | None = None) -> None:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = dtype or next(model.parameters()).dtype
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -86,7 +77,7 @@ class PromptCache:
         self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         self.adapter: ModelAdapter = adapter_for(self.model)
         self.layout = self.adapter.kv_layout()
-        self.model_id = model_fingerprint(self.model, self.dtype)
+        self.model_id = model_id or model_fingerprint(self.model, self.dtype)
         self.store = TieredStore(self.device, device_budget=device_budget, host_budget=host_budget,
                                  disk_dir=store_dir, disk_budget=disk_budget)
         self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.device.type, self.name)
@@ -126,15 +117,19 @@ class PromptCache:
             tokenizer = embedded.load_tokenizer()
             model = embedded.load_model(dtype=dt)
             name = "SmolLM2-135M-Instruct"
+            files = weight_files(embedded.converted_dir())
         else:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
             model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dt)
             name = str(name_or_path)
+            files = _local_weight_files(str(name_or_path))
         adapter_for(model)
+        model_id = model_fingerprint(model, dt, files) if files else None
         if store_dir is None or store_dir is True:
             store_dir = default_store_dir()
         return cls(model, tokenizer, device=dev, dtype=dt, name=name, store_dir=store_dir or None,
-                   device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
+                   device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget,
+                   model_id=model_id)
 
     def add_schema(self, text_or_path: str | os.PathLike, *, progress: bool = False) -> Schema:
         """Parse a schema (PML text or a file path) and encode all of its modules and scaffolds.
@@ -467,6 +462,20 @@ def _drain(run) -> GenerationResult:
             next(run)
         except StopIteration as done:
             return done.value
+
+
+def _local_weight_files(name_or_path: str) -> list[Path]:
+    """The weight files ``from_pretrained`` read for ``name_or_path``: a local directory's, or the
+    local HF cache snapshot's; empty when they cannot be found (the tensors are hashed instead)."""
+    if Path(name_or_path).is_dir():
+        return weight_files(name_or_path)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return weight_files(snapshot_download(name_or_path, local_files_only=True))
+    except Exception as exc:  # any failure only means hashing the loaded tensors instead
+        log.debug("weight files of %r not found (%s); hashing tensors", name_or_path, exc)
+        return []
 
 
 def _read_source(text_or_path: str | os.PathLike) -> tuple[str, Path | None]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pckernels.engine.core import model_fingerprint
+from pckernels.integration.identity import model_fingerprint
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
 from pckernels.errors import UnsupportedModelError
