@@ -1,17 +1,14 @@
 """Query-chunked masked attention on CPU: each run of query rows attends only up to the last key
-it may see; outputs must match the single masked SDPA call for every family, and HF's attention
-registry must be left as it was."""
+it may see; outputs must match the single masked SDPA call for every family."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
 
 from family_models import FAMILIES
 from pckernels.integration import adapters
-from pckernels.integration.adapters import query_chunked_on_cpu, visible_extents
+from pckernels.integration.adapters import visible_extents
 from test_engine import PROMPTS
 from test_families import FP32_TOL, prompt_cache, tokenizer  # noqa: F401  (fixture)
 
@@ -60,10 +57,10 @@ def test_chunked_masked_forward_matches_one_call(tokenizer, family, monkeypatch)
     prompt = long_prompt()
     whole = {}
     with monkeypatch.context() as patch:
-        patch.setattr(adapters, "query_chunked_on_cpu", lambda device: contextlib.nullcontext())
+        patch.setattr(pc.adapter, "query_chunk", None)
         for mode in ("cached", "reference"):
             whole[mode] = pc.generate(prompt, mode=mode, max_new_tokens=3)
-    monkeypatch.setattr(adapters, "QUERY_CHUNK", 5)
+    monkeypatch.setattr(pc.adapter, "query_chunk", 5)
     for mode in ("cached", "reference"):
         got = pc.generate(prompt, mode=mode, max_new_tokens=3)
         assert got.computed_tokens > 10
@@ -72,12 +69,10 @@ def test_chunked_masked_forward_matches_one_call(tokenizer, family, monkeypatch)
 
 
 def test_chunked_path_is_taken_and_cuts_keys(tokenizer, monkeypatch):  # noqa: F811
-    """On an SDPA model the long forward is split into runs of at most ``QUERY_CHUNK`` queries,
+    """On an SDPA model the long forward is split into runs of at most ``query_chunk`` queries,
     the earlier runs over fewer keys than the whole forward."""
-    import transformers.integrations.sdpa_attention as sdpa
-
     pc = prompt_cache("llama", tokenizer)
-    assert pc.model.config._attn_implementation == "sdpa"
+    assert pc.model.config._attn_implementation == adapters.ATTENTION
     shapes = []
     original = torch.nn.functional.scaled_dot_product_attention
 
@@ -85,8 +80,8 @@ def test_chunked_path_is_taken_and_cuts_keys(tokenizer, monkeypatch):  # noqa: F
         shapes.append((query.shape[-2], key.shape[-2]))
         return original(query, key, *args, **kwargs)
 
-    monkeypatch.setattr(sdpa.torch.nn.functional, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(adapters, "QUERY_CHUNK", 5)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(pc.adapter, "query_chunk", 5)
     result = pc.generate(long_prompt(), max_new_tokens=1)
     layers = pc.model.config.num_hidden_layers
     runs = -(-result.computed_tokens // 5)
@@ -94,16 +89,3 @@ def test_chunked_path_is_taken_and_cuts_keys(tokenizer, monkeypatch):  # noqa: F
     assert all(q <= 5 for q, _ in prefill)
     assert sum(q for q, _ in prefill) == result.computed_tokens * layers
     assert min(k for _, k in prefill) < max(k for _, k in prefill)
-
-
-def test_registry_is_restored_even_after_an_error():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    with pytest.raises(RuntimeError, match="boom"):
-        with query_chunked_on_cpu(torch.device("cpu")):
-            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before
-            raise RuntimeError("boom")
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
-    with query_chunked_on_cpu(torch.device("meta")):
-        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before

@@ -8,8 +8,6 @@ windows, ALiBi slopes and mask conventions match HF's); positions, not row order
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from transformers import DynamicCache
@@ -242,28 +240,30 @@ def test_longrope_is_limited_to_its_original_length(tokenizer):
 
 def test_grouped_kv_on_cpu_is_used_and_changes_nothing(tokenizer, monkeypatch):
     """A masked CPU forward hands grouped KV heads to SDPA (``enable_gqa``) instead of expanding
-    them with ``repeat_kv``; the logits are bitwise those of the expanded path."""
-    import transformers.integrations.sdpa_attention as sdpa
-
-    from pckernels.integration import adapters
-
+    them; the logits are bitwise those of the expanded path."""
     model = prompt_cache("llama", tokenizer).model
+    adapter = adapter_for(model)
     assert model.config.num_key_value_heads < model.config.num_attention_heads
     ids = torch.tensor([[5, 17, 2, 99, 41, 7, 300]])
     positions = torch.tensor([0, 1, 2, 9, 10, 11, 12])
     calls = []
     original = torch.nn.functional.scaled_dot_product_attention
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("enable_gqa", False))
-        return original(*args, **kwargs)
+    def spy(query, key, *args, **kwargs):
+        calls.append((query.shape[1] == key.shape[1], kwargs.get("enable_gqa", False)))
+        return original(query, key, *args, **kwargs)
 
-    monkeypatch.setattr(sdpa.torch.nn.functional, "scaled_dot_product_attention", spy)
-    grouped = run_adapter(model, ids, positions)
-    assert calls and all(calls)
-    assert sdpa.use_gqa_in_sdpa.__name__ == "use_gqa_in_sdpa"
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+
+    def run():
+        with torch.inference_mode():
+            return adapter.forward(ids, positions[None], causal_spec(positions), DynamicCache(config=model.config),
+                                   last_logits_only=False)
+
+    grouped = run()
+    assert calls and all(gqa and not same_heads for same_heads, gqa in calls)
     calls.clear()
-    monkeypatch.setattr(adapters, "grouped_kv_on_cpu", lambda device: contextlib.nullcontext())
-    expanded = run_adapter(model, ids, positions)
-    assert calls and not any(calls)
+    adapter.grouped_kv = False
+    expanded = run()
+    assert calls and all(same_heads and not gqa for same_heads, gqa in calls)
     assert torch.equal(grouped, expanded)

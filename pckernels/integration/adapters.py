@@ -14,13 +14,14 @@ unusual cache layouts) live in :mod:`pckernels.integration.families`, each a sma
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import inspect
 import logging
-from dataclasses import dataclass
-from typing import Callable, Iterator
+import threading
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -130,53 +131,42 @@ def alibi_bias(slopes: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Ten
     return (slopes.to(torch.float32)[:, None, None] * distance[None]).to(dtype)
 
 
-@contextlib.contextmanager
-def replaced(owner: object, name: str, replacement: object) -> Iterator[None]:
-    """Temporarily set ``owner.name`` to ``replacement`` (an instance attribute shadowing a
-    method, or a module global looked up at call time); the original is restored on exit."""
-    missing = object()
-    saved = owner.__dict__.get(name, missing) if hasattr(owner, "__dict__") else missing
-    setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        if saved is missing:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, saved)
-
-
-@functools.cache
-def _sdpa_module():
-    """HF's SDPA attention module (imported once), or None when this transformers lacks it."""
-    try:
-        return importlib.import_module("transformers.integrations.sdpa_attention")
-    except ImportError:
-        return None
-
-
-def grouped_kv_on_cpu(device: torch.device) -> contextlib.AbstractContextManager:
-    """While a masked forward runs on CPU, let HF's SDPA attention pass grouped KV heads to
-    ``scaled_dot_product_attention(enable_gqa=True)`` instead of expanding them with
-    ``repeat_kv`` (HF only does so without a mask, for CUDA's sake: there a mask plus GQA falls
-    back to the math kernel). Same arithmetic per head, so outputs are unchanged; it saves
-    copying every cached K/V ``num_heads / num_kv_heads`` times per layer. No-op elsewhere."""
-    module = _sdpa_module()
-    original = getattr(module, "use_gqa_in_sdpa", None)
-    if device.type != "cpu" or original is None:
-        return contextlib.nullcontext()
-
-    def use_gqa_on_cpu(*args, **kwargs):
-        key = kwargs.get("key", args[1] if len(args) > 1 else None)
-        if key is not None and key.device.type == "cpu":
-            return True
-        return original(*args, **kwargs)
-
-    return replaced(module, "use_gqa_in_sdpa", use_gqa_on_cpu)
-
-
 QUERY_CHUNK = 256
-"""Query rows per SDPA call when a long masked forward runs on CPU (see :func:`query_chunked_on_cpu`)."""
+"""Query rows per SDPA call when a long masked forward runs on CPU (see :func:`promptcache_attention`)."""
+
+ATTENTION = "promptcache_sdpa"
+"""Name under which :func:`promptcache_attention` is registered in transformers' ``AttentionInterface``."""
+
+
+@dataclass
+class ForwardState:
+    """What one promptcache forward tells the code it reaches inside the model: the attention
+    spec, the adapter's CPU attention settings, and memos made during the forward. Held in a
+    ``ContextVar`` for the duration of :meth:`ModelAdapter.forward`, so concurrent forwards in
+    other threads (and baseline forwards of any model) never see it."""
+
+    spec: AttentionSpec
+    query_chunk: int | None
+    grouped_kv: bool
+    memo: dict = field(default_factory=dict)
+
+    def alibi(self, slopes: torch.Tensor, *, per_query: bool = True) -> torch.Tensor:
+        """ALiBi from schema positions for ``slopes [H]``: ``[H, q, kv]``, or ``[H, 1, kv]`` against
+        the last query (``per_query=False``; the per-query offset it drops is softmax-invariant)."""
+        key = ("alibi", slopes.data_ptr(), per_query)
+        if key not in self.memo:
+            spec = self.spec
+            query = spec.query_pos if per_query else spec.query_pos.max().reshape(1)
+            self.memo[key] = alibi_bias(slopes.to(spec.key_pos.device), query, spec.key_pos, spec.bias.dtype)
+        return self.memo[key]
+
+
+_FORWARD: ContextVar[ForwardState | None] = ContextVar("promptcache_forward", default=None)
+
+
+def current_forward() -> ForwardState | None:
+    """The promptcache forward running in this context, or None (baseline, or not ours)."""
+    return _FORWARD.get()
 
 
 def visible_extents(mask: torch.Tensor, chunk: int) -> list[int]:
@@ -189,67 +179,101 @@ def visible_extents(mask: torch.Tensor, chunk: int) -> list[int]:
     return [x if x > 0 else keys for x in last]
 
 
-def _query_chunked(attend: Callable, chunk: int) -> Callable:
-    """``attend`` (HF's SDPA attention function) run ``chunk`` query rows at a time, each run over
-    the keys up to the last one it may see. CPU SDPA cannot skip masked blocks, so a long span of
-    new text (each token seeing the cached rows and the new rows before it) otherwise pays for
-    the whole ``q x kv`` rectangle: twice the causal triangle's work when all the text is new."""
-    extents: dict[tuple, list[int]] = {}
+def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+          scaling: float | None, grouped: bool) -> torch.Tensor:
+    """``query [b, Hq, q, D]`` over ``key/value [b, Hkv, kv, D]`` with the additive ``mask
+    [b, 1|Hq, q, kv]``; KV groups are handed to SDPA as they are (``enable_gqa``) or expanded
+    first. Returns ``[b, q, Hq, D]`` as HF attention functions do."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and not grouped:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1 and grouped)
+    return out.transpose(1, 2).contiguous()
 
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        rows = query.shape[2]
-        if (rows <= chunk or attention_mask is None or attention_mask.ndim != 4
-                or attention_mask.dtype == torch.bool or attention_mask.shape[-2] != rows
-                or kwargs.get("position_bias") is not None):
-            return attend(module, query, key, value, attention_mask, *args, **kwargs)
-        mask = attention_mask[..., :key.shape[2]]
-        memo = (mask.data_ptr(), tuple(mask.shape), mask.stride())
-        if memo not in extents:
-            extents[memo] = visible_extents(mask, chunk)
-        if min(extents[memo]) == key.shape[2]:
-            return attend(module, query, key, value, attention_mask, *args, **kwargs)
-        pieces = []
-        for index, stop in enumerate(extents[memo]):
-            first, last = index * chunk, min(index * chunk + chunk, rows)
-            out, _ = attend(module, query[:, :, first:last], key[:, :, :stop], value[:, :, :stop],
-                            mask[:, :, first:last, :stop], *args, **kwargs)
-            pieces.append(out)
-        return torch.cat(pieces, dim=1), None
 
-    return attention
+def promptcache_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                          scaling: float | None = None, **kwargs):
+    """The attention function of models driven by promptcache (registered once as
+    :data:`ATTENTION`, selected per model instance by :class:`ModelAdapter`).
+
+    Outside a promptcache forward, or off the CPU, it is HF's ``"sdpa"`` unchanged. In a
+    promptcache forward on CPU with an additive 4D mask it makes two changes that keep every
+    query's keys and mask values: grouped KV heads go to SDPA without ``repeat_kv`` copies
+    (HF only does so without a mask, for CUDA's sake), and a long forward runs
+    ``query_chunk`` query rows at a time, each run over the keys up to the last one it may see —
+    CPU SDPA cannot skip masked blocks, so a long span of new text otherwise pays for the whole
+    ``q x kv`` rectangle. Outputs agree with one SDPA call to rounding."""
+    state = _FORWARD.get()
+    if (state is None or query.device.type != "cpu" or attention_mask is None or attention_mask.ndim != 4
+            or attention_mask.dtype == torch.bool or dropout or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None):
+        return _hf_attention("sdpa")(module, query, key, value, attention_mask, dropout=dropout,
+                                     scaling=scaling, **kwargs)
+    mask = attention_mask[..., :key.shape[2]]
+    rows, chunk = query.shape[2], state.query_chunk
+    if chunk is None or rows <= chunk:
+        return _sdpa(query, key, value, mask, scaling, state.grouped_kv), None
+    memo = ("extents", mask.data_ptr(), tuple(mask.shape), mask.stride(), chunk)
+    if memo not in state.memo:
+        state.memo[memo] = visible_extents(mask, chunk)
+    extents = state.memo[memo]
+    if min(extents) == key.shape[2]:
+        return _sdpa(query, key, value, mask, scaling, state.grouped_kv), None
+    pieces = []
+    for index, stop in enumerate(extents):
+        first, last = index * chunk, min(index * chunk + chunk, rows)
+        pieces.append(_sdpa(query[:, :, first:last], key[:, :, :stop], value[:, :, :stop],
+                            mask[:, :, first:last, :stop], scaling, state.grouped_kv))
+    return torch.cat(pieces, dim=1), None
 
 
 @functools.cache
-def _attention_functions():
-    """HF's attention-function registry (``ALL_ATTENTION_FUNCTIONS``), or None without one."""
-    try:
-        return importlib.import_module("transformers.modeling_utils").ALL_ATTENTION_FUNCTIONS
-    except (ImportError, AttributeError):
-        return None
+def _interfaces():
+    """transformers' attention and mask-function registries."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS
 
 
-@contextlib.contextmanager
-def query_chunked_on_cpu(device: torch.device, chunk: int | None = None) -> Iterator[None]:
-    """While a masked forward runs on CPU, HF's ``"sdpa"`` attention goes through
-    :func:`_query_chunked`: a prompt whose uncached text is long costs about what a causal prefill
-    of that text costs, not up to twice as much. Each query row sees the same keys and mask
-    values, so outputs agree to rounding (the kernel's blocking changes). No-op elsewhere.
-    ``chunk``: query rows per call (default :data:`QUERY_CHUNK`)."""
-    registry = _attention_functions()
-    local = getattr(registry, "_local_mapping", None)
-    if device.type != "cpu" or local is None:
-        yield
-        return
-    missing = object()
-    saved = local.get("sdpa", missing)
-    local["sdpa"] = _query_chunked(registry["sdpa"], QUERY_CHUNK if chunk is None else chunk)
+def _hf_attention(name: str) -> Callable:
+    return _interfaces()[0][name]
+
+
+_register_lock = threading.Lock()
+
+
+def _register_attention() -> None:
+    """Register :func:`promptcache_attention` (with SDPA's mask function) once per process; HF's
+    own entries are never touched."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    attention, masks = _interfaces()
+    with _register_lock:
+        if attention.get(ATTENTION) is not promptcache_attention:
+            AttentionInterface.register(ATTENTION, promptcache_attention)
+            AttentionMaskInterface.register(ATTENTION, masks["sdpa"])
+
+
+def select_attention(model: torch.nn.Module) -> bool:
+    """Switch ``model`` (this instance only) from HF's ``"sdpa"`` to :data:`ATTENTION`. Models
+    on another implementation (eager, flash, or a family that computes attention itself) are left
+    as they are. Returns whether the model now uses promptcache's attention."""
+    current = getattr(model.config, "_attn_implementation", None)
+    if current == ATTENTION:
+        return True
+    if current != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return False
+    _register_attention()
     try:
-        yield
-    finally:
-        if saved is missing:
-            del local["sdpa"]
-        else:
-            local["sdpa"] = saved
+        model.set_attn_implementation(ATTENTION)
+    except (ValueError, ImportError, NotImplementedError) as exc:
+        log.info("keeping %r attention for %s: %s", current, type(model).__name__, exc)
+        return False
+    return True
 
 
 class ModelAdapter:
@@ -257,9 +281,11 @@ class ModelAdapter:
     attention takes a prepared 4D additive float mask ``[1, 1, q, kv]`` (or a dict of them per
     layer type) and a ``Cache`` whose ``update`` returns the full key/value states.
 
-    Subclasses override what differs: :meth:`kv_layout`, :meth:`max_positions`,
-    :meth:`attention_mask`, and :meth:`forward_context` for patches that must hold while the
-    model runs with a promptcache attention (never in baseline mode).
+    Subclasses override what differs: :meth:`kv_layout`, :meth:`max_positions` and
+    :meth:`attention_mask`. Code inside the model that must know the forward's positions (ALiBi
+    builders) reads :func:`current_forward`, set only while :meth:`forward` runs with a spec.
+    The adapter selects promptcache's attention function for its model instance
+    (:func:`select_attention`); ``query_chunk`` and ``grouped_kv`` tune it for this instance.
     """
 
     families: tuple[str, ...] = ()
@@ -274,6 +300,11 @@ class ModelAdapter:
         self._takes_logits_to_keep = "logits_to_keep" in params
         self.windows = self._layer_windows()
         self._layout: KVLayout | None = None
+        self.query_chunk: int | None = QUERY_CHUNK
+        """Query rows per SDPA call in long masked CPU forwards (None: one call)."""
+        self.grouped_kv = True
+        """Hand grouped KV heads to SDPA on CPU instead of expanding them."""
+        self.owns_attention = select_attention(model)
 
     def _layer_windows(self) -> dict[str, int | None] | int | None:
         """Sliding windows: ``{layer_type: window or None}`` when the model has sliding layer types
@@ -317,10 +348,6 @@ class ModelAdapter:
             return {kind: windowed_bias(spec, window)[None, None] for kind, window in self.windows.items()}
         return windowed_bias(spec, self.windows)[None, None]
 
-    def forward_context(self, attention: AttentionSpec) -> contextlib.AbstractContextManager:
-        """Patches in force while the model runs with ``attention`` (none by default)."""
-        return contextlib.nullcontext()
-
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention: AttentionSpec | None,
                 cache, *, last_logits_only: bool = True) -> torch.Tensor:
         """Run the model on ``input_ids [1, q]`` at ``position_ids [1, q]`` with a promptcache
@@ -332,10 +359,12 @@ class ModelAdapter:
         if attention is None:
             out = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
         else:
-            with (grouped_kv_on_cpu(input_ids.device), query_chunked_on_cpu(input_ids.device),
-                  self.forward_context(attention)):
+            token = _FORWARD.set(ForwardState(attention, self.query_chunk, self.grouped_kv))
+            try:
                 out = self.model(input_ids=input_ids, position_ids=position_ids,
                                  attention_mask=self.attention_mask(attention), **kwargs)
+            finally:
+                _FORWARD.reset(token)
         logits = out.logits[0]
         return logits[-1:] if last_logits_only else logits
 

@@ -1,15 +1,16 @@
 """MPT and BLOOM: ALiBi, so keys carry no position and the bias must come from the schema
 positions of query and key (``slope * (key_pos - query_pos)``), not from row order or the 2D
-mask's cumulative sum. Both models build their ALiBi through a method of the base model; while
-a promptcache attention is in force an instance attribute shadows it with the position-based
-``[H, q, kv]`` bias (both models add a 3D bias of that shape to the scores). Slopes are read
+mask's cumulative sum. Both models build their ALiBi through a method of the base model; the
+adapter shadows it once, on that model instance, with a builder that returns the position-based
+``[H, q, kv]`` bias during a promptcache forward (:func:`current_forward`) and calls the model's
+own method otherwise (both models add a 3D bias of that shape to the scores). Slopes are read
 from the model's own builder, so they match HF's exactly."""
 
 from __future__ import annotations
 
 import torch
 
-from pckernels.integration.adapters import AttentionSpec, ModelAdapter, alibi_bias, register_adapter, replaced
+from pckernels.integration.adapters import ModelAdapter, current_forward, register_adapter
 
 
 class _AlibiAdapter(ModelAdapter):
@@ -19,16 +20,27 @@ class _AlibiAdapter(ModelAdapter):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
         self._slopes = self.model_slopes()
+        self._install_builder()
 
     def model_slopes(self) -> torch.Tensor:
         """Per-head slopes ``[H]`` as the model's own builder computes them."""
         raise NotImplementedError
 
-    def forward_context(self, attention: AttentionSpec):
-        slopes = self._slopes.to(attention.key_pos.device)
-        dtype = attention.bias.dtype
-        bias = alibi_bias(slopes, attention.query_pos, attention.key_pos, dtype)
-        return replaced(self.model.base_model, self.builder, lambda *args, **kwargs: bias)
+    def _install_builder(self) -> None:
+        """Shadow the base model's ALiBi method on this instance, once (the instance attribute
+        stays; outside promptcache forwards it is the model's own method)."""
+        base = self.model.base_model
+        own = getattr(base, self.builder)
+        if getattr(own, "promptcache_positions", False):
+            return
+        slopes = self._slopes
+
+        def position_builder(*args, **kwargs):
+            state = current_forward()
+            return own(*args, **kwargs) if state is None else state.alibi(slopes)
+
+        position_builder.promptcache_positions = True
+        setattr(base, self.builder, position_builder)
 
 
 @register_adapter

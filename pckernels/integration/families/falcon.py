@@ -2,20 +2,46 @@
 
 KV layout: probed like every family's (transformers 5.24 broadcast each KV group of
 ``new_decoder_architecture`` to every query head before caching, 5.25 caches the groups).
-ALiBi: Falcon builds it from the 2D mask's cumulative sum with the module-level
-``build_alibi_tensor``; while a promptcache attention is in force that function is replaced by
-one returning ALiBi from schema positions (shape ``[H, 1, kv]``: Falcon views it per key, and
-the per-query offset it drops is softmax-invariant). Falcon then scales and masks it itself.
+ALiBi: Falcon builds it from the 2D mask's cumulative sum with its modeling module's
+``build_alibi_tensor``, a module function with no per-instance hook. The first ALiBi Falcon
+adapter wraps that function once, for the process: during a promptcache forward
+(:func:`current_forward`, a context variable, so only the thread running that forward sees it)
+it returns ALiBi from schema positions, shape ``[H, 1, kv]`` (Falcon views it per key, and the
+per-query offset it drops is softmax-invariant); otherwise it is HF's function, called as is.
+Nothing is swapped around a call. Falcon then scales and masks the bias itself.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 
-from pckernels.integration.adapters import AttentionSpec, ModelAdapter, alibi_bias, register_adapter, \
-    replaced
+from pckernels.integration.adapters import ModelAdapter, current_forward, register_adapter
+
+_install_lock = threading.Lock()
+
+
+def _install_position_alibi(modeling) -> None:
+    """Wrap ``modeling.build_alibi_tensor`` once with the position-aware dispatcher."""
+    with _install_lock:
+        original = modeling.build_alibi_tensor
+        if getattr(original, "promptcache_positions", False):
+            return
+        slopes: dict[int, torch.Tensor] = {}
+
+        def build_alibi_tensor(attention_mask, num_heads, dtype):
+            state = current_forward()
+            if state is None:
+                return original(attention_mask, num_heads, dtype)
+            if num_heads not in slopes:
+                slopes[num_heads] = original(torch.ones(1, 2), num_heads, torch.float32)[:, 0, 1]
+            return state.alibi(slopes[num_heads], per_query=False).to(dtype)
+
+        build_alibi_tensor.promptcache_positions = True
+        build_alibi_tensor.__wrapped__ = original
+        modeling.build_alibi_tensor = build_alibi_tensor
 
 
 @register_adapter
@@ -24,20 +50,8 @@ class FalconAdapter(ModelAdapter):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
-        self._modeling = sys.modules[type(model.base_model).__module__]
-        heads = self.config.num_attention_heads
-        self._slopes = self._modeling.build_alibi_tensor(torch.ones(1, 2), heads, torch.float32)[:, 0, 1]
+        if self.config.alibi:
+            _install_position_alibi(sys.modules[type(model.base_model).__module__])
 
     def max_positions(self) -> int | None:
         return None if self.config.alibi else super().max_positions()
-
-    def forward_context(self, attention: AttentionSpec):
-        if not self.config.alibi:
-            return super().forward_context(attention)
-        query = attention.query_pos.max().reshape(1)
-        slopes = self._slopes.to(attention.key_pos.device)
-
-        def position_alibi(mask, num_heads, dtype):
-            return alibi_bias(slopes, query, attention.key_pos, dtype)
-
-        return replaced(self._modeling, "build_alibi_tensor", position_alibi)
