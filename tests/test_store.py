@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pckernels.engine import PromptCache
+from pckernels.store.disk import write_block
 from test_engine import PROMPTS, SCHEMA, tiny_llama, tokenizer  # noqa: F401  (tokenizer is a fixture)
 
 NEW_TOKENS = 4
@@ -187,13 +188,21 @@ def test_keys_cover_scope_not_names(model, tokenizer):
     assert key(plan_edit, "intro") == key(schema, "intro")
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "garbage"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "garbage", "longer-block", "shorter-block",
+                                    "other-dtype"])
 def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, tmp_path, damage, caplog):
+    """The ``*-block`` and ``other-dtype`` files are well-formed (right key, valid checksum) but hold
+    another block's tensor: more rows (answered wrong before), fewer (an IndexError), or fp16."""
     first = PromptCache(model, tokenizer, store_dir=tmp_path)
     schema = first.add_schema(SCHEMA)
     disk = first.store.disk
-    victim = disk.path(first._block_key(schema, "paris").digest)
-    if damage == "corrupt":
+    paris = first._block_key(schema, "paris")
+    victim = disk.path(paris.digest)
+    if damage in ("longer-block", "shorter-block", "other-dtype"):
+        source = {"longer-block": "tokyo", "shorter-block": "intro", "other-dtype": "paris"}[damage]
+        tensor = first.store.get(first._block_key(schema, source))
+        write_block(victim, paris, tensor.half() if damage == "other-dtype" else tensor)
+    elif damage == "corrupt":
         data = bytearray(victim.read_bytes())
         data[-10] ^= 0xFF
         victim.write_bytes(bytes(data))

@@ -73,6 +73,37 @@ def test_disk_tier_discards_and_deletes_bad_files(tmp_path, caplog):
     assert disk.stats.discarded == 1 and "truncated" in caplog.text
 
 
+@pytest.mark.parametrize("stored, reason", [
+    (block(1, n=7), "wrong shape"),
+    (block(1, n=9), "wrong shape"),
+    (block(1).reshape(2, 2, 2, 4, 4), "wrong shape"),
+    (block(1)[0], "wrong shape"),
+    (block(1, dtype=torch.bfloat16), "wrong dtype"),
+])
+def test_well_formed_file_of_another_block_is_discarded(tmp_path, caplog, stored, reason):
+    """Right key and a valid checksum, but not the tensor the key names: discarded, never used."""
+    expected = BlockKey(key(1).digest, module="mod1", tokens=8, shape=SHAPE, dtype=torch.float32)
+    store = TieredStore("cpu", disk_dir=tmp_path)
+    path = store.disk.path(expected.digest)
+    write_block(path, expected, stored)
+    assert torch.equal(read_block(path, expected.digest), stored)
+    with caplog.at_level("WARNING", logger="pckernels.store.disk"):
+        assert store.get(expected) is None
+    assert not path.exists() and expected not in store
+    stats = store.stats()
+    assert stats["misses"] == 1 and stats["disk"]["discarded"] == 1 and stats["disk"]["discard_reasons"] == {reason: 1}
+    assert reason in caplog.text and "discarding block file" in caplog.text
+
+
+def test_expected_shape_may_leave_dimensions_open(tmp_path):
+    open_key = BlockKey(key(1).digest, shape=(2, 2, None, 8, None), dtype=torch.float32)
+    disk = DiskTier(tmp_path, budget=1 << 20)
+    disk.write(open_key, block(1))
+    assert torch.equal(disk.read(open_key), block(1))
+    with pytest.raises(BlockFileError, match="wrong shape"):
+        read_block(disk.path(open_key.digest), open_key.digest, shape=(2, 2, None, 9, None))
+
+
 def test_disk_budget_evicts_oldest_and_scan_restores_order(tmp_path):
     size = write_block(tmp_path / "probe.safetensors", key(0), block(0))
     disk = DiskTier(tmp_path / "d", budget=3 * size + 10, policy="lru")

@@ -89,7 +89,9 @@ class PromptCache:
         self.model_id = model_fingerprint(self.model, self.dtype)
         self.store = TieredStore(self.device, device_budget=device_budget, host_budget=host_budget,
                                  disk_dir=store_dir, disk_budget=disk_budget)
-        self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.device.type, self.name)
+        self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.device.type, self.name,
+                                     layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
+                                     dtype=self.dtype)
         self.schemas: dict[str, Schema] = {}
         self._block_positions: dict[BlockKey, torch.Tensor] = {}
         self.buffer = AssemblyBuffer(self.layout, dtype=self.dtype, device=self.device)

@@ -6,7 +6,8 @@ Layout: ``<root>/v<FORMAT_VERSION>/<digest[:2]>/<digest>.safetensors`` holding o
 tokens). There is no index: a file's name is its key, so processes sharing the directory need no
 lock. Files are written to a temporary name in the same directory and renamed into place
 (``os.replace`` is atomic), so a reader sees a whole file or none. A file that is truncated,
-fails its checksum, or belongs to another key/format is logged, deleted and reported as a miss.
+fails its checksum, belongs to another key/format, or holds a tensor of another shape or dtype than
+its key expects is logged, deleted and reported as a miss.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 
 class BlockFileError(Exception):
-    """A block file that must not be used (truncated, corrupted, foreign)."""
+    """A block file that must not be used (truncated, corrupted, foreign, wrong shape or dtype)."""
 
 
 def tensor_bytes(tensor: torch.Tensor):
@@ -88,8 +89,10 @@ def _read_header(f, file_size: int) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def read_block(path: Path, digest: str, *, pin: bool = False) -> torch.Tensor:
-    """Read and verify the block of key ``digest`` into CPU memory (pinned when ``pin``).
+def read_block(path: Path, digest: str, *, pin: bool = False, shape: tuple[int | None, ...] | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Read and verify the block of key ``digest`` into CPU memory (pinned when ``pin``); when
+    given, its ``shape`` (``None`` entries match any size) and ``dtype`` must be those expected.
 
     Raises ``FileNotFoundError`` when absent and ``BlockFileError`` when the file must not be used.
     """
@@ -103,12 +106,13 @@ def read_block(path: Path, digest: str, *, pin: bool = False) -> torch.Tensor:
             raise BlockFileError(f"foreign file (holds key {str(meta.get('key'))[:16]}…)")
         try:
             info = header["kv"]
-            dtype = _DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
+            stored_dtype = _DTYPES[info["dtype"]]
+            stored_shape = [int(d) for d in info["shape"]]
             begin, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise BlockFileError(f"corrupt header ({exc!r})") from None
-        tensor = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        _check_expected(stored_shape, stored_dtype, shape, dtype)
+        tensor = torch.empty(stored_shape, dtype=stored_dtype, pin_memory=pin)
         view = tensor_bytes(tensor)
         if end - begin != view.nbytes:
             raise BlockFileError("corrupt header (shape and offsets disagree)")
@@ -122,6 +126,17 @@ def read_block(path: Path, digest: str, *, pin: bool = False) -> torch.Tensor:
     return tensor
 
 
+def _check_expected(stored_shape: list[int], stored_dtype: torch.dtype, shape: tuple[int | None, ...] | None,
+                    dtype: torch.dtype | None) -> None:
+    """Refuse a well-formed file whose tensor is not the block its key names."""
+    if dtype is not None and stored_dtype != dtype:
+        raise BlockFileError(f"wrong dtype (holds {stored_dtype}, expected {dtype})")
+    if shape is not None and (len(stored_shape) != len(shape)
+                              or any(want is not None and got != want for got, want in zip(stored_shape, shape))):
+        want = ", ".join("*" if d is None else str(d) for d in shape)
+        raise BlockFileError(f"wrong shape (holds {list(stored_shape)}, expected [{want}])")
+
+
 @dataclass
 class DiskStats:
     hits: int = 0
@@ -131,7 +146,7 @@ class DiskStats:
     write_s: float = 0.0
     evictions: int = 0
     discarded: int = 0
-    """Files found unusable (truncated, corrupt, foreign) and deleted."""
+    """Files found unusable (truncated, corrupt, foreign, wrong shape or dtype) and deleted."""
     skipped: int = 0
     """Blocks larger than the whole disk budget, not written."""
     reasons: dict[str, int] = field(default_factory=dict)
@@ -209,7 +224,8 @@ class DiskTier:
         ``(block or the exception, seconds)``; hand the result to ``accept``."""
         t0 = time.perf_counter()
         try:
-            outcome: torch.Tensor | Exception = read_block(self.path(key.digest), key.digest, pin=pin)
+            outcome: torch.Tensor | Exception = read_block(self.path(key.digest), key.digest, pin=pin,
+                                                           shape=key.shape, dtype=key.dtype)
         except (OSError, BlockFileError) as exc:
             outcome = exc
         return outcome, time.perf_counter() - t0

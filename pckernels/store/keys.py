@@ -18,6 +18,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+import torch
+
 from pckernels.pml.model import Schema
 
 FORMAT_VERSION = 1
@@ -27,7 +29,11 @@ FORMAT_VERSION = 1
 @dataclass(frozen=True)
 class BlockKey:
     """Identity of one encoded block: ``digest`` (sha256 hex) is the whole identity; the other
-    fields describe it for humans (listing, logs) and never take part in equality."""
+    fields describe it (listings, logs, checks on load) and never take part in equality.
+
+    ``shape`` / ``dtype``: what the block must be, checked when it is read from disk (``None``:
+    unchecked; a ``None`` inside ``shape``: any size along that dimension).
+    """
 
     digest: str
     model: str = field(default="", compare=False)
@@ -35,6 +41,8 @@ class BlockKey:
     module: str = field(default="", compare=False)
     scaffold: str = field(default="", compare=False)
     tokens: int = field(default=0, compare=False)
+    shape: tuple[int | None, ...] | None = field(default=None, compare=False)
+    dtype: torch.dtype | None = field(default=None, compare=False)
 
     @property
     def label(self) -> str:
@@ -57,10 +65,14 @@ class BlockKeys:
 
     ``model_id`` must identify config, weights and dtype; ``tokenizer_id`` the vocabulary and
     rules; ``device_kind`` (``"cpu"``, ``"cuda"``) separates numerics of different kernels so a
-    reload is bit-identical to the original encode.
+    reload is bit-identical to the original encode. ``layout`` (layers, KV heads, head size) and
+    ``dtype``, when given, set each key's expected block ``shape`` and ``dtype``.
     """
 
-    def __init__(self, model_id: str, tokenizer_id: str, device_kind: str, model_name: str = "") -> None:
+    def __init__(self, model_id: str, tokenizer_id: str, device_kind: str, model_name: str = "", *,
+                 layout: tuple[int, int, int] | None = None, dtype: torch.dtype | None = None) -> None:
+        self.layout = layout
+        self.dtype = dtype
         self._prefix = json.dumps({"format": FORMAT_VERSION, "model": model_id, "tokenizer": tokenizer_id,
                                    "device": device_kind}, sort_keys=True)
         self.model_name = model_name
@@ -83,5 +95,10 @@ class BlockKeys:
             scope["peers"] = [_content(m.token_ids, m.position_ids) for m in peers]
         h = hashlib.sha256(self._prefix.encode())
         h.update(json.dumps(scope, separators=(",", ":")).encode())
+        n = len(mod.token_ids)
+        shape = None
+        if self.layout is not None:
+            layers, heads, head_dim = self.layout
+            shape = (layers, 2, heads, n, head_dim)
         return BlockKey(h.hexdigest(), model=self.model_name, schema=schema.name, module=module,
-                        scaffold=scaffold, tokens=len(mod.token_ids))
+                        scaffold=scaffold, tokens=n, shape=shape, dtype=self.dtype)
