@@ -12,9 +12,11 @@ import time
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from pckernels.engine import PromptCache
-from pckernels.store.disk import write_block
+from pckernels.store import disk as disk_module
+from pckernels.store.disk import TEMP_PREFIX, list_blocks, read_block, write_block
 from test_engine import PROMPTS, SCHEMA, tiny_llama, tokenizer  # noqa: F401  (tokenizer is a fixture)
 
 NEW_TOKENS = 4
@@ -223,6 +225,45 @@ def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, t
     assert stats["disk"]["discarded"] == 1 and stats["encodes"] == 1
     assert "discarding block file" in caplog.text
     assert restarted.store.disk.read(restarted._block_key(schema, "paris")) is not None
+
+
+@pytest.mark.parametrize("fault", ["disk-full", "dir-is-file"])
+def test_disk_faults_leave_the_engine_answering_from_memory(model, tokenizer, expected, sizes, tmp_path, monkeypatch,
+                                                             caplog, fault):
+    """The disk fills after two block files (the third write leaves half a file and fails as
+    safetensors does), or the store directory is a file: one warning, the disk tier goes off,
+    blocks that leave memory are re-encoded, and every answer equals a clean store's."""
+    store_dir = tmp_path / "kv"
+    if fault == "dir-is-file":
+        store_dir.write_text("not a directory")
+    else:
+        save = disk_module.save_file
+        saved = []
+
+        def save_until_full(tensors, filename, metadata=None):
+            if len(saved) == 2:
+                with open(filename, "wb") as f:
+                    f.write(b"\x00" * 100)
+                raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+            saved.append(filename)
+            save(tensors, filename, metadata=metadata)
+
+        monkeypatch.setattr(disk_module, "save_file", save_until_full)
+    with caplog.at_level("WARNING", logger="pckernels.store.disk"):
+        pc = PromptCache(model, tokenizer, store_dir=store_dir, device_budget=sizes[-1], host_budget=sizes[-1])
+        pc.add_schema(SCHEMA)
+        run_all(pc, expected)
+    assert caplog.text.count("disk tier off") == 1
+    stats = pc.stats()
+    assert stats["disk"]["enabled"] is False and stats["disk"]["entries"] == 0
+    assert stats["dropped"] > 0 and stats["encodes"] > len(sizes)
+    if fault == "dir-is-file":
+        assert store_dir.read_text() == "not a directory"
+    else:
+        assert stats["disk"]["writes"] == 2 and not list(store_dir.rglob(TEMP_PREFIX + "*"))
+        files = list_blocks(store_dir)
+        assert len(files) == 2 and all(e["status"] == "ok" for e in files)
+        assert all(read_block(store_dir.joinpath(e["path"]), e["digest"]) is not None for e in files)
 
 
 def test_union_siblings_are_prefetched(model, tokenizer, expected, tmp_path):

@@ -3,14 +3,17 @@ policies, and budgets under random operation sequences."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import random
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from pckernels.store import BlockKey, CostModel, DiskTier, GreedyDualSizePolicy, LRUPolicy, TieredStore, parse_size
+from pckernels.store import disk as disk_module
 from pckernels.store.disk import TEMP_PREFIX, BlockFileError, list_blocks, read_block, write_block
 
 SHAPE = (2, 2, 1, 8, 4)
@@ -102,6 +105,78 @@ def test_expected_shape_may_leave_dimensions_open(tmp_path):
     assert torch.equal(disk.read(open_key), block(1))
     with pytest.raises(BlockFileError, match="wrong shape"):
         read_block(disk.path(open_key.digest), open_key.digest, shape=(2, 2, None, 9, None))
+
+
+@contextlib.contextmanager
+def disk_full(how: str, monkeypatch):
+    """Writes fail as on a full disk: for real (``RLIMIT_FSIZE``, so safetensors itself raises
+    "File too large"), or by a save that leaves half a file and raises what safetensors raises."""
+    if how == "rlimit":
+        resource = pytest.importorskip("resource")
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256, old[1]))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        return
+
+    def save_half(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x00" * 100)
+        raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+
+    monkeypatch.setattr(disk_module, "save_file", save_half)
+    yield
+
+
+def block_files(root) -> list:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("how", ["rlimit", "patched"])
+def test_disk_full_drops_the_write_and_turns_the_tier_off(tmp_path, monkeypatch, caplog, how):
+    store = TieredStore("cpu", disk_dir=tmp_path, device_budget=block(0).numel() * 4, host_budget=0)
+    with caplog.at_level("WARNING", logger="pckernels.store.disk"), disk_full(how, monkeypatch):
+        store.put(key(1), block(1))
+    assert block_files(tmp_path) == []
+    assert "File too large" in caplog.text and "disk tier off" in caplog.text
+    stats = store.stats()["disk"]
+    assert stats["enabled"] is False and "File too large" in stats["off_reason"]
+    assert stats["writes"] == 0 and stats["entries"] == 0 and stats["bytes"] == 0
+    assert torch.equal(store.get(key(1)), block(1))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        store.put(key(2), block(2))
+    assert caplog.text == "" and block_files(tmp_path) == []
+    assert store.get(key(1)) is None and key(1) not in store
+    assert store.stats()["dropped"] == 1 and store.stats()["misses"] == 1
+    assert torch.equal(store.get(key(2)), block(2))
+
+
+def test_files_written_before_the_disk_filled_stay_whole(tmp_path, monkeypatch):
+    store = TieredStore("cpu", disk_dir=tmp_path)
+    store.put(key(1), block(1))
+    with disk_full("patched", monkeypatch):
+        store.put(key(2), block(2))
+    assert [p.name for p in block_files(tmp_path)] == [store.disk.path(key(1).digest).name]
+    assert torch.equal(read_block(store.disk.path(key(1).digest), key(1).digest), block(1))
+
+
+def test_store_dir_that_is_a_file_turns_the_tier_off(tmp_path, caplog):
+    path = tmp_path / "kv"
+    path.write_text("not a directory")
+    with caplog.at_level("WARNING", logger="pckernels.store.disk"):
+        store = TieredStore("cpu", disk_dir=path)
+    assert "disk tier off" in caplog.text and str(path) in caplog.text
+    assert key(1) not in store
+    store.put(key(1), block(1))
+    assert torch.equal(store.get(key(1)), block(1))
+    store.prefetch([key(1), key(2)])
+    assert store.get(key(2)) is None
+    stats = store.stats()["disk"]
+    assert stats["enabled"] is False and "cannot use directory" in stats["off_reason"]
+    assert path.read_text() == "not a directory"
 
 
 def test_disk_budget_evicts_oldest_and_scan_restores_order(tmp_path):

@@ -5,13 +5,16 @@ Layout: ``<root>/v<FORMAT_VERSION>/<digest[:2]>/<digest>.safetensors`` holding o
 ``sha256`` (over the tensor's bytes) and descriptive fields (model, schema, module, scaffold,
 tokens). There is no index: a file's name is its key, so processes sharing the directory need no
 lock. Files are written to a temporary name in the same directory and renamed into place
-(``os.replace`` is atomic), so a reader sees a whole file or none. A file that is truncated,
+(``os.replace`` is atomic), so a reader sees a whole file or none. A directory that cannot be
+used, or a write that fails (disk full, file too large, no permission), turns the tier off with a
+warning: its partial file is removed and blocks stay in memory only. A file that is truncated,
 fails its checksum, belongs to another key/format, or holds a tensor of another shape or dtype than
 its key expects is logged, deleted and reported as a miss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from pckernels.store.keys import FORMAT_VERSION, BlockKey
@@ -62,9 +66,15 @@ def write_block(path: Path, key: BlockKey, block: torch.Tensor) -> int:
         size = os.path.getsize(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        _unlink(Path(tmp))
         raise
     return size
+
+
+def _unlink(path: Path) -> None:
+    """Delete ``path`` if it exists; a directory that vanished or cannot be written is no error here."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -158,6 +168,10 @@ class DiskTier:
     The budget counts the files this process knows: those present at start-up (scanned, oldest
     modification time evicted first) plus those it wrote or found since. Loading a file bumps its
     modification time so that other processes' scans see it as recently used.
+
+    ``off``: why the tier is off (``None`` while on). It goes off, with a warning, when its
+    directory cannot be created (a file is in the way, no permission) or a write fails (disk full);
+    from then on it holds nothing: reads miss and writes are refused.
     """
 
     def __init__(self, root: str | os.PathLike, budget: int, *, policy: str = "gds",
@@ -170,7 +184,21 @@ class DiskTier:
         self.stats = DiskStats()
         self._sizes: dict[str, int] = {}
         self.nbytes = 0
+        self.off: str | None = None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.turn_off(f"cannot use directory {self.root}: {exc}")
+            return
         self._scan()
+
+    def turn_off(self, reason: str) -> None:
+        """Stop using the disk: forget every file (they stay where they are) and refuse further I/O."""
+        log.warning("disk tier off: %s; encoded blocks are kept in memory only", reason)
+        self.off = reason
+        self._sizes.clear()
+        self.nbytes = 0
+        self.policy = make_policy(*self._policy_args)
 
     def path(self, digest: str) -> Path:
         return self.dir / digest[:2] / f"{digest}{SUFFIX}"
@@ -205,9 +233,11 @@ class DiskTier:
     def __contains__(self, key: BlockKey) -> bool:
         if key.digest in self._sizes:
             return True
+        if self.off is not None:
+            return False
         try:
             size = self.path(key.digest).stat().st_size
-        except FileNotFoundError:
+        except OSError:
             return False
         self._track(key.digest, size)
         self._evict_to(self.budget, keep=key.digest)
@@ -236,8 +266,13 @@ class DiskTier:
         if isinstance(outcome, torch.Tensor):
             self.stats.loads += 1
             self.stats.load_s += seconds
+            if self.off is not None:
+                return outcome
             if key.digest not in self._sizes:
-                self._track(key.digest, os.path.getsize(self.path(key.digest)))
+                try:
+                    self._track(key.digest, os.path.getsize(self.path(key.digest)))
+                except OSError:
+                    return outcome
             self.policy.touch(key.digest)
             try:
                 os.utime(self.path(key.digest))
@@ -253,7 +288,9 @@ class DiskTier:
         return None
 
     def read(self, key: BlockKey, *, pin: bool = False) -> torch.Tensor | None:
-        """The verified block, or ``None`` when absent or unusable (then it is deleted)."""
+        """The verified block, or ``None`` when absent or unusable (then it is deleted) or the tier is off."""
+        if self.off is not None:
+            return None
         return self.accept(key, self.read_raw(key, pin))
 
     def discard(self, key: BlockKey, reason: str) -> None:
@@ -263,11 +300,14 @@ class DiskTier:
         kind = reason.split(" (")[0]
         self.stats.reasons[kind] = self.stats.reasons.get(kind, 0) + 1
         self._forget(key.digest)
-        self.path(key.digest).unlink(missing_ok=True)
+        _unlink(self.path(key.digest))
 
     def write(self, key: BlockKey, block: torch.Tensor) -> bool:
         """Write ``block`` (any device), then delete other files until the budget holds again.
-        Returns whether the block is now on disk."""
+        Returns whether the block is now on disk. A failed write (disk full, …) leaves no partial
+        file and turns the tier off."""
+        if self.off is not None:
+            return False
         if block.numel() * block.element_size() > self.budget:
             self.stats.skipped += 1
             return False
@@ -275,8 +315,8 @@ class DiskTier:
         t0 = time.perf_counter()
         try:
             size = write_block(self.path(key.digest), key, block.detach().to("cpu"))
-        except OSError as exc:
-            log.warning("cannot write block %s to %s: %s", key.label, self.dir, exc)
+        except (OSError, SafetensorError) as exc:
+            self.turn_off(f"cannot write block {key.label} to {self.dir}: {exc}")
             return False
         self.stats.writes += 1
         self.stats.write_s += time.perf_counter() - t0
@@ -292,7 +332,7 @@ class DiskTier:
                 self.policy.touch(digest)
                 continue
             self._forget(digest)
-            self.path(digest).unlink(missing_ok=True)
+            _unlink(self.path(digest))
             self.stats.evictions += 1
 
     def clear(self) -> int:

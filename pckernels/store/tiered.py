@@ -7,7 +7,8 @@ Blocks are ``[L, 2, H, n, D]`` tensors keyed by ``BlockKey``. Placement rules:
 * The device and host tiers are exclusive: a block lives in at most one of them. When the
   device tier is over budget its victim moves to the host tier; when the host tier is over
   budget its victim is dropped from memory (written to disk first if the file is missing).
-  When the disk tier is over budget its victim's file is deleted (re-encoded on next use).
+  When the disk tier is over budget its victim's file is deleted (re-encoded on next use). A disk
+  tier that cannot write (disk full, a file where its directory should be) turns itself off.
 * ``get`` moves a block up to the device tier (returns it on the engine's device) or returns
   ``None`` when no tier holds it (the caller re-encodes and ``put``\\ s it).
 * ``prefetch`` stages blocks without evicting anything: host blocks are copied to the device
@@ -232,7 +233,8 @@ class TieredStore:
                               "budget": tier.budget, "evictions": tier.evictions}
         if self.disk is not None:
             s = self.disk.stats
-            out["disk"] = {"hits": s.hits, "entries": len(self.disk), "bytes": self.disk.nbytes,
+            out["disk"] = {"enabled": self.disk.off is None, "off_reason": self.disk.off,
+                           "hits": s.hits, "entries": len(self.disk), "bytes": self.disk.nbytes,
                            "budget": self.disk.budget, "evictions": s.evictions, "loads": s.loads,
                            "load_s": s.load_s, "writes": s.writes, "write_s": s.write_s,
                            "discarded": s.discarded, "discard_reasons": dict(s.reasons),
