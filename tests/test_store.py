@@ -266,6 +266,17 @@ def test_disk_faults_leave_the_engine_answering_from_memory(model, tokenizer, ex
         assert all(read_block(store_dir.joinpath(e["path"]), e["digest"]) is not None for e in files)
 
 
+@pytest.mark.parametrize("budget", [{"device_budget": -1}, {"host_budget": "\u22121GiB"}, {"disk_budget": "lots"}])
+def test_bad_budget_is_refused_before_the_model_is_touched(tokenizer, tmp_path, budget):
+    fresh = tiny_llama(len(tokenizer))
+    name = next(iter(budget))
+    with pytest.raises(ValueError, match=f"^{name} "):
+        PromptCache(fresh, tokenizer, dtype=torch.float64, store_dir=tmp_path / "kv", **budget)
+    assert next(fresh.parameters()).dtype == torch.float32 and not (tmp_path / "kv").exists()
+    with pytest.raises(ValueError, match=f"^{name} "):
+        PromptCache.from_pretrained(str(tmp_path / "no-such-model"), store_dir=tmp_path / "kv", **budget)
+
+
 def test_union_siblings_are_prefetched(model, tokenizer, expected, tmp_path):
     PromptCache(model, tokenizer, store_dir=tmp_path).add_schema(SCHEMA)
     pc = PromptCache(model, tokenizer, store_dir=tmp_path)

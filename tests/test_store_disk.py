@@ -262,8 +262,36 @@ def test_greedy_dual_size_ages_entries():
 def test_parse_size():
     assert parse_size("512MiB") == 512 << 20 and parse_size("2GB") == 2_000_000_000
     assert parse_size(123) == 123 and parse_size("1.5k") == 1536
-    with pytest.raises(ValueError):
+    assert parse_size(" 2 GiB ") == 2 << 30 and parse_size("+1kb") == 1000 and parse_size(0) == 0
+    with pytest.raises(ValueError, match="^size is not a size: 'lots'"):
         parse_size("lots")
+
+
+@pytest.mark.parametrize("name", ["device_budget", "host_budget", "disk_budget"])
+@pytest.mark.parametrize("value, message", [
+    (-1, "must not be negative"),
+    (-0.5, "must not be negative"),
+    ("-1GiB", "must not be negative"),
+    ("\u22121GiB", "must not be negative"),
+    (" - 512MB", "must not be negative"),
+    ("lots", "is not a size"),
+    ("2 gigs", "is not a size"),
+    ("1e9", "is not a size"),
+    ("", "is not a size"),
+    (float("nan"), "must be a finite number"),
+    (float("inf"), "must be a finite number"),
+    (True, "must be a number of bytes or a size string"),
+    ([1024], "must be a number of bytes or a size string"),
+])
+def test_bad_budgets_are_refused_naming_the_argument(tmp_path, name, value, message):
+    with pytest.raises(ValueError, match=f"^{name} {message}"):
+        TieredStore("cpu", disk_dir=tmp_path / "kv", **{name: value})
+    assert not (tmp_path / "kv").exists()
+
+
+def test_disk_tier_refuses_a_negative_budget(tmp_path):
+    with pytest.raises(ValueError, match="disk budget must not be negative"):
+        DiskTier(tmp_path, budget=-1)
 
 
 @pytest.mark.parametrize("policy, with_disk", [("gds", True), ("lru", True), ("gds", False)])

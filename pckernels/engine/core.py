@@ -24,7 +24,7 @@ from pckernels.integration.adapters import AttentionSpec, ModelAdapter, adapter_
 from pckernels.pml import parse_prompt, parse_schema
 from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
-from pckernels.store import BlockKey, BlockKeys, TieredStore, default_store_dir
+from pckernels.store import BlockKey, BlockKeys, TieredStore, default_store_dir, parse_budgets
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +72,15 @@ class PromptCache:
     Encoded blocks live in a ``TieredStore`` (``docs/store.md``): ``device_budget`` and
     ``host_budget`` bytes (or ``"2GiB"``-style strings; ``None``: a quarter of the GPU or 1 GiB on
     CPU, and 4 GiB), and a disk tier of ``disk_budget`` (default 20 GiB) in ``store_dir`` —
-    none unless given here; ``from_pretrained`` turns it on by default.
+    none unless given here; ``from_pretrained`` turns it on by default. A negative or unreadable
+    budget is a ``ValueError`` naming it, raised before the model is touched.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, name: str | None = None,
                  store_dir: str | os.PathLike | None = None, device_budget: int | str | None = None,
                  host_budget: int | str | None = None, disk_budget: int | str | None = None) -> None:
+        budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = dtype or next(model.parameters()).dtype
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -87,8 +89,7 @@ class PromptCache:
         self.adapter: ModelAdapter = adapter_for(self.model)
         self.layout = self.adapter.kv_layout()
         self.model_id = model_fingerprint(self.model, self.dtype)
-        self.store = TieredStore(self.device, device_budget=device_budget, host_budget=host_budget,
-                                 disk_dir=store_dir, disk_budget=disk_budget)
+        self.store = TieredStore(self.device, disk_dir=store_dir, **budgets)
         self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.device.type, self.name,
                                      layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
                                      dtype=self.dtype)
@@ -115,9 +116,11 @@ class PromptCache:
         id or local path (loaded offline from the local HF cache when no network is available).
 
         ``store_dir``: the disk tier's directory; ``None`` (or ``True``) is ``default_store_dir()``
-        (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class."""
+        (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class; a bad
+        one is refused before the model is loaded."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
         dev = torch.device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)

@@ -178,6 +178,8 @@ class DiskTier:
                  cost: CostModel = CostModel(20e-3, 50e6)) -> None:
         self.root = Path(root)
         self.dir = self.root / f"v{FORMAT_VERSION}"
+        if int(budget) < 0:
+            raise ValueError(f"disk budget must not be negative, got {budget!r}")
         self.budget = int(budget)
         self._policy_args = (policy, cost)
         self.policy = make_policy(policy, cost)
