@@ -15,6 +15,8 @@ import torch
 from safetensors import SafetensorError
 
 from pckernels.engine import PromptCache
+from pckernels.pml import parse_schema
+from pckernels.store import BlockKeys
 from pckernels.store import disk as disk_module
 from pckernels.store.disk import TEMP_PREFIX, list_blocks, read_block, write_block
 from test_engine import PROMPTS, SCHEMA, tiny_llama, tokenizer  # noqa: F401  (tokenizer is a fixture)
@@ -188,6 +190,35 @@ def test_keys_cover_scope_not_names(model, tokenizer):
     assert len(tokenizer.encode("Plan a trip")) == len(tokenizer.encode("Plan a tour"))
     assert key(plan_edit, food) != key(schema, food)
     assert key(plan_edit, "intro") == key(schema, "intro")
+
+
+def _every_key(keys: BlockKeys, schema) -> list:
+    out = [keys(schema, m) for m in schema.modules]
+    return out + [keys(schema, m, s.name) for s in schema.scaffolds.values() for m in s.members]
+
+
+def test_block_key_memo_keeps_one_version_per_schema_name(tokenizer):
+    keys = BlockKeys("model", "tokenizer", "cpu")
+    versions = [parse_schema(SCHEMA.replace("Include local food.", f"Include local food {i}."), tokenizer)
+                for i in range(6)]
+    for schema in versions:
+        _every_key(keys, schema)
+    assert keys.memoized() == {versions[-1].digest: len(_every_key(keys, versions[-1]))}
+    first = _every_key(BlockKeys("model", "tokenizer", "cpu"), versions[0])
+    assert _every_key(keys, versions[0]) == first and list(keys.memoized()) == [versions[0].digest]
+
+
+def test_block_key_memo_holds_at_most_memo_schemas_versions(tokenizer):
+    keys = BlockKeys("model", "tokenizer", "cpu", memo_schemas=3)
+    schemas = [parse_schema(SCHEMA.replace('<schema name="guide">', f'<schema name="guide{i}">'), tokenizer)
+               for i in range(8)]
+    for schema in schemas:
+        _every_key(keys, schema)
+        assert len(keys.memoized()) <= 3
+    _every_key(keys, schemas[5])
+    _every_key(keys, schemas[0])
+    assert list(keys.memoized()) == [schemas[7].digest, schemas[5].digest, schemas[0].digest]
+    assert _every_key(keys, schemas[1]) == _every_key(BlockKeys("model", "tokenizer", "cpu"), schemas[1])
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "garbage", "longer-block", "shorter-block",
