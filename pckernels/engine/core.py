@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from pckernels.engine.buffer import AssemblyBuffer, BufferCache, Placement
 from pckernels.engine.deviation import DeviationScores
+from pckernels.engine.options import check_load_options, resolve_device, resolve_dtype
 from pckernels.engine.plan import CachedPlan, module_scope, plan_cached, plan_reference, select_recompute
 from pckernels import ops
 from pckernels.engine.result import GenerationResult
@@ -81,8 +82,8 @@ class PromptCache:
                  store_dir: str | os.PathLike | None = None, device_budget: int | str | None = None,
                  host_budget: int | str | None = None, disk_budget: int | str | None = None) -> None:
         budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.dtype = dtype or next(model.parameters()).dtype
+        self.device = resolve_device(device) if device is not None else next(model.parameters()).device
+        self.dtype = resolve_dtype(dtype) or next(model.parameters()).dtype
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
@@ -116,14 +117,16 @@ class PromptCache:
         id or local path (loaded offline from the local HF cache when no network is available).
 
         ``store_dir``: the disk tier's directory; ``None`` (or ``True``) is ``default_store_dir()``
-        (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class; a bad
-        one is refused before the model is loaded."""
+        (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class.
+
+        Bad options are refused before the model is loaded: a budget, an unknown or unavailable
+        device or an unknown dtype with a ``ValueError``, a missing local model directory with a
+        ``FileNotFoundError`` (``pckernels.engine.options``)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
-        dev = torch.device(device) if device is not None else default_device()
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+        device, dtype = check_load_options(name_or_path, device, dtype)
+        dev = device if device is not None else default_device()
         dt = dtype or default_dtype(dev)
         if name_or_path == "smollm2":
             from pckernels.integration import embedded
