@@ -1,8 +1,9 @@
 """The command line on bad input and on text that looks like rich markup.
 
 Bad ``--dtype``, ``--device`` and ``--model`` end every command that takes them with one line on
-stderr and exit status 2, before any model is loaded (the engine refuses them the same way). Paths, file metadata and model output that
-contain ``[/x]`` are printed as they are (rich would read them as a closing tag and crash).
+stderr and exit status 2, before any model is loaded (the engine refuses them the same way).
+Paths, file metadata and model output that contain ``[/x]`` are printed as they are (rich would
+read them as a closing tag and crash).
 """
 
 from __future__ import annotations
