@@ -4,31 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from importlib import resources
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from pckernels.errors import PMLError, UnsupportedModelError
+from pckernels.cli_common import check_model_options, console, fail, load_engine
 from pckernels.cli_store import cache_app, encode
 from pckernels.cli_bench import CONTEXT as BENCH_CONTEXT, bench
 from pckernels.cli_eval import register as register_eval
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="promptcache: reuse attention states of prompt modules declared in PML.")
-console = Console(width=None if sys.stdout.isatty() else 120)
-err_console = Console(stderr=True)
-
-
-def _load(model: str, device: Optional[str], dtype: Optional[str]):
-    from pckernels.engine import PromptCache
-
-    with console.status(f"loading {model} …"):
-        return PromptCache.from_pretrained(model, device=device, dtype=dtype)
 
 
 def _text_or_file(value: str) -> str:
@@ -50,14 +40,16 @@ def demo(model: str = typer.Option("smollm2", help="Model name or path."),
          device: Optional[str] = typer.Option(None, help="cpu, cuda, … (default: best available)."),
          dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16.")) -> None:
     """Run the shipped city-guide schema in baseline and cached mode and compare."""
+    check_model_options(model, device, dtype)
     demo_dir = resources.files("pckernels") / "data" / "demo"
-    cache = _load(model, device, dtype)
+    cache = load_engine(model, device, dtype)
     with resources.as_file(demo_dir / "city_guide.xml") as schema_path:
         schema = cache.add_schema(schema_path, progress=True)
     prompts = json.loads((demo_dir / "prompts.json").read_text(encoding="utf-8"))
     cache.generate(prompts[0]["prompt"], max_new_tokens=1)
     cache.generate(prompts[0]["prompt"], max_new_tokens=1, mode="baseline")
-    table = Table(title=f"promptcache demo — schema {schema.name!r} on {cache.name} ({cache.device}, {cache.dtype})")
+    table = Table(title=escape(f"promptcache demo — schema {schema.name!r} on {cache.name} ({cache.device}, "
+                               f"{cache.dtype})"))
     for col in ("prompt", "cached", "computed", "TTFT baseline", "TTFT cached", "speedup", "= reference", "= baseline"):
         table.add_column(col, justify="left" if col == "prompt" else "right")
     answers = []
@@ -65,7 +57,7 @@ def demo(model: str = typer.Option("smollm2", help="Model name or path."),
         base = cache.generate(item["prompt"], mode="baseline", max_new_tokens=max_new_tokens)
         ref = cache.generate(item["prompt"], mode="reference", max_new_tokens=max_new_tokens)
         cached = cache.generate(item["prompt"], mode="cached", max_new_tokens=max_new_tokens)
-        table.add_row(item["name"], str(cached.cached_tokens), str(cached.computed_tokens),
+        table.add_row(escape(item["name"]), str(cached.cached_tokens), str(cached.computed_tokens),
                       f"{base.ttft_s * 1e3:.0f} ms", f"{cached.ttft_s * 1e3:.0f} ms",
                       f"{base.ttft_s / cached.ttft_s:.1f}x",
                       "yes" if cached.token_ids == ref.token_ids else "NO",
@@ -73,7 +65,8 @@ def demo(model: str = typer.Option("smollm2", help="Model name or path."),
         answers.append((item["name"], cached.text, base.text))
     console.print(table)
     for name, cached_text, base_text in answers:
-        console.print(f"[bold]{name}[/bold]\n  cached:   {cached_text.strip()}\n  baseline: {base_text.strip()}")
+        console.print(f"[bold]{escape(name)}[/bold]\n  cached:   {escape(cached_text.strip())}\n"
+                      f"  baseline: {escape(base_text.strip())}")
 
 
 @app.command()
@@ -88,22 +81,26 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
         device: Optional[str] = typer.Option(None), dtype: Optional[str] = typer.Option(None)) -> None:
     """Answer one PML prompt against a schema."""
     modes = ["cached", "baseline", "reference"] if mode == "compare" else [mode]
+    if mode not in ("cached", "baseline", "reference", "compare"):
+        fail(f"unknown mode {mode!r}: expected cached, baseline, reference or compare")
+    check_model_options(model, device, dtype)
+    if "<" not in schema and not Path(schema).is_file():
+        fail(f"no such schema file: {schema!r}")
+    cache = load_engine(model, device, dtype)
     try:
-        cache = _load(model, device, dtype)
         cache.add_schema(schema if "<" in schema else Path(schema))
         text = _text_or_file(prompt)
         results = {m: cache.generate(text, mode=m, max_new_tokens=max_new_tokens, temperature=temperature,
                                      seed=seed) for m in modes}
-    except (PMLError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+    except (OSError, ValueError) as exc:
+        fail(exc)
     if as_json:
         payload = {m: r.to_dict() for m, r in results.items()}
         console.print_json(json.dumps(payload if mode == "compare" else payload[mode]))
         return
     for m, r in results.items():
         console.print(f"[bold]{m}[/bold] ttft {r.ttft_s * 1e3:.1f} ms, cached {r.cached_tokens}, "
-                      f"computed {r.computed_tokens}: {r.text}")
+                      f"computed {r.computed_tokens}: {escape(r.text)}")
 
 
 app.command()(encode)

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from pckernels.errors import PMLError, UnsupportedModelError
+from pckernels.cli_common import check_model_options, console, fail, load_engine
 
 cache_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Inspect or clear the encoded-module files on disk.")
-console = Console(width=None if sys.stdout.isatty() else 120)
-err_console = Console(stderr=True)
 
 _STORE_DIR_HELP = "Block directory (default: $PROMPTCACHE_CACHE_DIR/kv or the XDG cache dir)."
 
@@ -42,23 +39,26 @@ def encode(schema: Path = typer.Argument(..., help="Schema file to encode."),
            device: Optional[str] = typer.Option(None, help="cpu, cuda, … (default: best available)."),
            dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16.")) -> None:
     """Encode every module of SCHEMA and keep the blocks on disk for later runs."""
-    from pckernels.engine import PromptCache
-
     directory = _store_dir(store_dir)
+    check_model_options(model, device, dtype)
+    if not schema.is_file():
+        fail(f"no such schema file: {str(schema)!r}")
+    if directory.exists() and not directory.is_dir():
+        fail(f"--store-dir {str(directory)!r} is a file, not a directory")
+    cache = load_engine(model, device, dtype, store_dir=directory)
+    t0 = time.perf_counter()
     try:
-        with console.status(f"loading {model} …"):
-            cache = PromptCache.from_pretrained(model, device=device, dtype=dtype, store_dir=directory)
-        t0 = time.perf_counter()
         parsed = cache.add_schema(schema, progress=True)
-    except (PMLError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+    except (OSError, ValueError) as exc:
+        fail(exc)
     seconds = time.perf_counter() - t0
     stats = cache.stats()
+    if not stats["disk"]["enabled"]:
+        fail(f"nothing kept on disk: {stats['disk']['off_reason']}", code=1)
     units = len(parsed.modules) + sum(len(s.members) for s in parsed.scaffolds.values())
-    console.print(f"schema {parsed.name!r} on {cache.name}: {units} blocks, {stats['encodes']} encoded "
-                  f"in {stats['encode_s']:.2f} s, {units - stats['encodes']} already on disk "
-                  f"({seconds:.2f} s in all); {directory}")
+    console.print(escape(f"schema {parsed.name!r} on {cache.name}: {units} blocks, {stats['encodes']} encoded "
+                         f"in {stats['encode_s']:.2f} s, {units - stats['encodes']} already on disk "
+                         f"({seconds:.2f} s in all); {directory}"))
 
 
 @cache_app.command("ls")
@@ -67,18 +67,18 @@ def cache_ls(store_dir: Optional[Path] = typer.Option(None, help=_STORE_DIR_HELP
     from pckernels.store import list_blocks
 
     entries = list_blocks(_store_dir(store_dir))
-    table = Table(title=f"{len(entries)} blocks in {_store_dir(store_dir)}")
+    table = Table(title=escape(f"{len(entries)} blocks in {_store_dir(store_dir)}"))
     for col in ("model", "schema", "module", "scaffold", "tokens", "size", "age", "key"):
         table.add_column(col, justify="right" if col in ("tokens", "size", "age") else "left")
     now = time.time()
     for e in sorted(entries, key=lambda e: (e.get("model", ""), e.get("schema", ""), e.get("module", ""))):
         if e["status"] != "ok":
-            table.add_row("?", "?", e["status"], "", "", "", "", e["digest"][:12])
+            table.add_row("?", "?", escape(e["status"]), "", "", "", "", escape(e["digest"][:12]))
             continue
         age = now - e["mtime"]
-        table.add_row(e["model"], e["schema"], e["module"] or "(root)", e["scaffold"], e["tokens"],
-                      _human(e["bytes"]), f"{age / 3600:.1f} h" if age >= 3600 else f"{age / 60:.0f} min",
-                      e["digest"][:12])
+        table.add_row(*(escape(str(e[k])) for k in ("model", "schema")), escape(e["module"] or "(root)"),
+                      escape(str(e["scaffold"])), escape(str(e["tokens"])), _human(e["bytes"]),
+                      f"{age / 3600:.1f} h" if age >= 3600 else f"{age / 60:.0f} min", escape(e["digest"][:12]))
     console.print(table)
 
 
@@ -93,10 +93,10 @@ def cache_du(store_dir: Optional[Path] = typer.Option(None, help=_STORE_DIR_HELP
         row[0] += 1
         row[1] += e["bytes"]
     for name, (files, size) in sorted(per_model.items()):
-        console.print(f"{_human(size):>10}  {files:5d} blocks  {name}")
+        console.print(f"{_human(size):>10}  {files:5d} blocks  {escape(str(name))}")
     total = sum(size for _, size in per_model.values())
     console.print(f"{_human(total):>10}  {sum(f for f, _ in per_model.values()):5d} blocks  total "
-                  f"({_store_dir(store_dir)})")
+                  f"({escape(str(_store_dir(store_dir)))})")
 
 
 @cache_app.command("clear")
@@ -109,4 +109,4 @@ def cache_clear(store_dir: Optional[Path] = typer.Option(None, help=_STORE_DIR_H
     if not yes:
         typer.confirm(f"delete every block file under {directory}?", abort=True)
     removed = DiskTier(directory, budget=0).clear() if directory.is_dir() else 0
-    console.print(f"removed {removed} block files from {directory}")
+    console.print(escape(f"removed {removed} block files from {directory}"))

@@ -12,8 +12,13 @@ import time
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from pckernels.engine import PromptCache
+from pckernels.pml import parse_schema
+from pckernels.store import BlockKeys
+from pckernels.store import disk as disk_module
+from pckernels.store.disk import TEMP_PREFIX, list_blocks, read_block, write_block
 from test_engine import PROMPTS, SCHEMA, tiny_llama, tokenizer  # noqa: F401  (tokenizer is a fixture)
 
 NEW_TOKENS = 4
@@ -187,13 +192,50 @@ def test_keys_cover_scope_not_names(model, tokenizer):
     assert key(plan_edit, "intro") == key(schema, "intro")
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "garbage"])
+def _every_key(keys: BlockKeys, schema) -> list:
+    out = [keys(schema, m) for m in schema.modules]
+    return out + [keys(schema, m, s.name) for s in schema.scaffolds.values() for m in s.members]
+
+
+def test_block_key_memo_keeps_one_version_per_schema_name(tokenizer):
+    keys = BlockKeys("model", "tokenizer", "cpu")
+    versions = [parse_schema(SCHEMA.replace("Include local food.", f"Include local food {i}."), tokenizer)
+                for i in range(6)]
+    for schema in versions:
+        _every_key(keys, schema)
+    assert keys.memoized() == {versions[-1].digest: len(_every_key(keys, versions[-1]))}
+    first = _every_key(BlockKeys("model", "tokenizer", "cpu"), versions[0])
+    assert _every_key(keys, versions[0]) == first and list(keys.memoized()) == [versions[0].digest]
+
+
+def test_block_key_memo_holds_at_most_memo_schemas_versions(tokenizer):
+    keys = BlockKeys("model", "tokenizer", "cpu", memo_schemas=3)
+    schemas = [parse_schema(SCHEMA.replace('<schema name="guide">', f'<schema name="guide{i}">'), tokenizer)
+               for i in range(8)]
+    for schema in schemas:
+        _every_key(keys, schema)
+        assert len(keys.memoized()) <= 3
+    _every_key(keys, schemas[5])
+    _every_key(keys, schemas[0])
+    assert list(keys.memoized()) == [schemas[7].digest, schemas[5].digest, schemas[0].digest]
+    assert _every_key(keys, schemas[1]) == _every_key(BlockKeys("model", "tokenizer", "cpu"), schemas[1])
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "garbage", "longer-block", "shorter-block",
+                                    "other-dtype"])
 def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, tmp_path, damage, caplog):
+    """The ``*-block`` and ``other-dtype`` files are well-formed (right key, valid checksum) but hold
+    another block's tensor: more rows (answered wrong before), fewer (an IndexError), or fp16."""
     first = PromptCache(model, tokenizer, store_dir=tmp_path)
     schema = first.add_schema(SCHEMA)
     disk = first.store.disk
-    victim = disk.path(first._block_key(schema, "paris").digest)
-    if damage == "corrupt":
+    paris = first._block_key(schema, "paris")
+    victim = disk.path(paris.digest)
+    if damage in ("longer-block", "shorter-block", "other-dtype"):
+        source = {"longer-block": "tokyo", "shorter-block": "intro", "other-dtype": "paris"}[damage]
+        tensor = first.store.get(first._block_key(schema, source))
+        write_block(victim, paris, tensor.half() if damage == "other-dtype" else tensor)
+    elif damage == "corrupt":
         data = bytearray(victim.read_bytes())
         data[-10] ^= 0xFF
         victim.write_bytes(bytes(data))
@@ -214,6 +256,56 @@ def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, t
     assert stats["disk"]["discarded"] == 1 and stats["encodes"] == 1
     assert "discarding block file" in caplog.text
     assert restarted.store.disk.read(restarted._block_key(schema, "paris")) is not None
+
+
+@pytest.mark.parametrize("fault", ["disk-full", "dir-is-file"])
+def test_disk_faults_leave_the_engine_answering_from_memory(model, tokenizer, expected, sizes, tmp_path, monkeypatch,
+                                                             caplog, fault):
+    """The disk fills after two block files (the third write leaves half a file and fails as
+    safetensors does), or the store directory is a file: one warning, the disk tier goes off,
+    blocks that leave memory are re-encoded, and every answer equals a clean store's."""
+    store_dir = tmp_path / "kv"
+    if fault == "dir-is-file":
+        store_dir.write_text("not a directory")
+    else:
+        save = disk_module.save_file
+        saved = []
+
+        def save_until_full(tensors, filename, metadata=None):
+            if len(saved) == 2:
+                with open(filename, "wb") as f:
+                    f.write(b"\x00" * 100)
+                raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+            saved.append(filename)
+            save(tensors, filename, metadata=metadata)
+
+        monkeypatch.setattr(disk_module, "save_file", save_until_full)
+    with caplog.at_level("WARNING", logger="pckernels.store.disk"):
+        pc = PromptCache(model, tokenizer, store_dir=store_dir, device_budget=sizes[-1], host_budget=sizes[-1])
+        pc.add_schema(SCHEMA)
+        run_all(pc, expected)
+    assert caplog.text.count("disk tier off") == 1
+    stats = pc.stats()
+    assert stats["disk"]["enabled"] is False and stats["disk"]["entries"] == 0
+    assert stats["dropped"] > 0 and stats["encodes"] > len(sizes)
+    if fault == "dir-is-file":
+        assert store_dir.read_text() == "not a directory"
+    else:
+        assert stats["disk"]["writes"] == 2 and not list(store_dir.rglob(TEMP_PREFIX + "*"))
+        files = list_blocks(store_dir)
+        assert len(files) == 2 and all(e["status"] == "ok" for e in files)
+        assert all(read_block(store_dir.joinpath(e["path"]), e["digest"]) is not None for e in files)
+
+
+@pytest.mark.parametrize("budget", [{"device_budget": -1}, {"host_budget": "\u22121GiB"}, {"disk_budget": "lots"}])
+def test_bad_budget_is_refused_before_the_model_is_touched(tokenizer, tmp_path, budget):
+    fresh = tiny_llama(len(tokenizer))
+    name = next(iter(budget))
+    with pytest.raises(ValueError, match=f"^{name} "):
+        PromptCache(fresh, tokenizer, dtype=torch.float64, store_dir=tmp_path / "kv", **budget)
+    assert next(fresh.parameters()).dtype == torch.float32 and not (tmp_path / "kv").exists()
+    with pytest.raises(ValueError, match=f"^{name} "):
+        PromptCache.from_pretrained(str(tmp_path / "no-such-model"), store_dir=tmp_path / "kv", **budget)
 
 
 def test_union_siblings_are_prefetched(model, tokenizer, expected, tmp_path):

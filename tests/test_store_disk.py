@@ -3,14 +3,17 @@ policies, and budgets under random operation sequences."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import random
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from pckernels.store import BlockKey, CostModel, DiskTier, GreedyDualSizePolicy, LRUPolicy, TieredStore, parse_size
+from pckernels.store import disk as disk_module
 from pckernels.store.disk import TEMP_PREFIX, BlockFileError, list_blocks, read_block, write_block
 
 SHAPE = (2, 2, 1, 8, 4)
@@ -71,6 +74,109 @@ def test_disk_tier_discards_and_deletes_bad_files(tmp_path, caplog):
         assert disk.read(key(1)) is None
     assert not path.exists() and key(1) not in disk and disk.nbytes == 0
     assert disk.stats.discarded == 1 and "truncated" in caplog.text
+
+
+@pytest.mark.parametrize("stored, reason", [
+    (block(1, n=7), "wrong shape"),
+    (block(1, n=9), "wrong shape"),
+    (block(1).reshape(2, 2, 2, 4, 4), "wrong shape"),
+    (block(1)[0], "wrong shape"),
+    (block(1, dtype=torch.bfloat16), "wrong dtype"),
+])
+def test_well_formed_file_of_another_block_is_discarded(tmp_path, caplog, stored, reason):
+    """Right key and a valid checksum, but not the tensor the key names: discarded, never used."""
+    expected = BlockKey(key(1).digest, module="mod1", tokens=8, shape=SHAPE, dtype=torch.float32)
+    store = TieredStore("cpu", disk_dir=tmp_path)
+    path = store.disk.path(expected.digest)
+    write_block(path, expected, stored)
+    assert torch.equal(read_block(path, expected.digest), stored)
+    with caplog.at_level("WARNING", logger="pckernels.store.disk"):
+        assert store.get(expected) is None
+    assert not path.exists() and expected not in store
+    stats = store.stats()
+    assert stats["misses"] == 1 and stats["disk"]["discarded"] == 1 and stats["disk"]["discard_reasons"] == {reason: 1}
+    assert reason in caplog.text and "discarding block file" in caplog.text
+
+
+def test_expected_shape_may_leave_dimensions_open(tmp_path):
+    open_key = BlockKey(key(1).digest, shape=(2, 2, None, 8, None), dtype=torch.float32)
+    disk = DiskTier(tmp_path, budget=1 << 20)
+    disk.write(open_key, block(1))
+    assert torch.equal(disk.read(open_key), block(1))
+    with pytest.raises(BlockFileError, match="wrong shape"):
+        read_block(disk.path(open_key.digest), open_key.digest, shape=(2, 2, None, 9, None))
+
+
+@contextlib.contextmanager
+def disk_full(how: str, monkeypatch):
+    """Writes fail as on a full disk: for real (``RLIMIT_FSIZE``, so safetensors itself raises
+    "File too large"), or by a save that leaves half a file and raises what safetensors raises."""
+    if how == "rlimit":
+        resource = pytest.importorskip("resource")
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256, old[1]))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        return
+
+    def save_half(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x00" * 100)
+        raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+
+    monkeypatch.setattr(disk_module, "save_file", save_half)
+    yield
+
+
+def block_files(root) -> list:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("how", ["rlimit", "patched"])
+def test_disk_full_drops_the_write_and_turns_the_tier_off(tmp_path, monkeypatch, caplog, how):
+    store = TieredStore("cpu", disk_dir=tmp_path, device_budget=block(0).numel() * 4, host_budget=0)
+    with caplog.at_level("WARNING", logger="pckernels.store.disk"), disk_full(how, monkeypatch):
+        store.put(key(1), block(1))
+    assert block_files(tmp_path) == []
+    assert "File too large" in caplog.text and "disk tier off" in caplog.text
+    stats = store.stats()["disk"]
+    assert stats["enabled"] is False and "File too large" in stats["off_reason"]
+    assert stats["writes"] == 0 and stats["entries"] == 0 and stats["bytes"] == 0
+    assert torch.equal(store.get(key(1)), block(1))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        store.put(key(2), block(2))
+    assert caplog.text == "" and block_files(tmp_path) == []
+    assert store.get(key(1)) is None and key(1) not in store
+    assert store.stats()["dropped"] == 1 and store.stats()["misses"] == 1
+    assert torch.equal(store.get(key(2)), block(2))
+
+
+def test_files_written_before_the_disk_filled_stay_whole(tmp_path, monkeypatch):
+    store = TieredStore("cpu", disk_dir=tmp_path)
+    store.put(key(1), block(1))
+    with disk_full("patched", monkeypatch):
+        store.put(key(2), block(2))
+    assert [p.name for p in block_files(tmp_path)] == [store.disk.path(key(1).digest).name]
+    assert torch.equal(read_block(store.disk.path(key(1).digest), key(1).digest), block(1))
+
+
+def test_store_dir_that_is_a_file_turns_the_tier_off(tmp_path, caplog):
+    path = tmp_path / "kv"
+    path.write_text("not a directory")
+    with caplog.at_level("WARNING", logger="pckernels.store.disk"):
+        store = TieredStore("cpu", disk_dir=path)
+    assert "disk tier off" in caplog.text and str(path) in caplog.text
+    assert key(1) not in store
+    store.put(key(1), block(1))
+    assert torch.equal(store.get(key(1)), block(1))
+    store.prefetch([key(1), key(2)])
+    assert store.get(key(2)) is None
+    stats = store.stats()["disk"]
+    assert stats["enabled"] is False and "cannot use directory" in stats["off_reason"]
+    assert path.read_text() == "not a directory"
 
 
 def test_disk_budget_evicts_oldest_and_scan_restores_order(tmp_path):
@@ -156,8 +262,36 @@ def test_greedy_dual_size_ages_entries():
 def test_parse_size():
     assert parse_size("512MiB") == 512 << 20 and parse_size("2GB") == 2_000_000_000
     assert parse_size(123) == 123 and parse_size("1.5k") == 1536
-    with pytest.raises(ValueError):
+    assert parse_size(" 2 GiB ") == 2 << 30 and parse_size("+1kb") == 1000 and parse_size(0) == 0
+    with pytest.raises(ValueError, match="^size is not a size: 'lots'"):
         parse_size("lots")
+
+
+@pytest.mark.parametrize("name", ["device_budget", "host_budget", "disk_budget"])
+@pytest.mark.parametrize("value, message", [
+    (-1, "must not be negative"),
+    (-0.5, "must not be negative"),
+    ("-1GiB", "must not be negative"),
+    ("\u22121GiB", "must not be negative"),
+    (" - 512MB", "must not be negative"),
+    ("lots", "is not a size"),
+    ("2 gigs", "is not a size"),
+    ("1e9", "is not a size"),
+    ("", "is not a size"),
+    (float("nan"), "must be a finite number"),
+    (float("inf"), "must be a finite number"),
+    (True, "must be a number of bytes or a size string"),
+    ([1024], "must be a number of bytes or a size string"),
+])
+def test_bad_budgets_are_refused_naming_the_argument(tmp_path, name, value, message):
+    with pytest.raises(ValueError, match=f"^{name} {message}"):
+        TieredStore("cpu", disk_dir=tmp_path / "kv", **{name: value})
+    assert not (tmp_path / "kv").exists()
+
+
+def test_disk_tier_refuses_a_negative_budget(tmp_path):
+    with pytest.raises(ValueError, match="disk budget must not be negative"):
+        DiskTier(tmp_path, budget=-1)
 
 
 @pytest.mark.parametrize("policy, with_disk", [("gds", True), ("lru", True), ("gds", False)])

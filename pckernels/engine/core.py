@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from pckernels.engine.buffer import AssemblyBuffer, BufferCache, Placement
 from pckernels.engine.deviation import DeviationScores
+from pckernels.engine.options import check_load_options, resolve_device, resolve_dtype
 from pckernels.engine.plan import CachedPlan, module_scope, plan_cached, plan_reference, select_recompute
 from pckernels import ops
 from pckernels.engine.result import GenerationResult
@@ -24,7 +25,7 @@ from pckernels.integration.identity import model_fingerprint, weight_files
 from pckernels.pml import parse_prompt, parse_schema
 from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
-from pckernels.store import BlockKey, BlockKeys, TieredStore, default_store_dir
+from pckernels.store import BlockKey, BlockKeys, TieredStore, default_store_dir, parse_budgets
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class PromptCache:
     Encoded blocks live in a ``TieredStore`` (``docs/store.md``): ``device_budget`` and
     ``host_budget`` bytes (or ``"2GiB"``-style strings; ``None``: a quarter of the GPU or 1 GiB on
     CPU, and 4 GiB), and a disk tier of ``disk_budget`` (default 20 GiB) in ``store_dir`` —
-    none unless given here; ``from_pretrained`` turns it on by default.
+    none unless given here; ``from_pretrained`` turns it on by default. A negative or unreadable
+    budget is a ``ValueError`` naming it, raised before the model is touched.
 
     ``model_id`` names the weights in cache keys; by default every tensor is hashed
     (:func:`pckernels.integration.identity.model_fingerprint`), ``from_pretrained`` hashes the
@@ -70,17 +72,19 @@ class PromptCache:
                  store_dir: str | os.PathLike | None = None, device_budget: int | str | None = None,
                  host_budget: int | str | None = None, disk_budget: int | str | None = None,
                  model_id: str | None = None) -> None:
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.dtype = dtype or next(model.parameters()).dtype
+        budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
+        self.device = resolve_device(device) if device is not None else next(model.parameters()).device
+        self.dtype = resolve_dtype(dtype) or next(model.parameters()).dtype
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         self.adapter: ModelAdapter = adapter_for(self.model)
         self.layout = self.adapter.kv_layout()
         self.model_id = model_id or model_fingerprint(self.model, self.dtype)
-        self.store = TieredStore(self.device, device_budget=device_budget, host_budget=host_budget,
-                                 disk_dir=store_dir, disk_budget=disk_budget)
-        self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.device.type, self.name)
+        self.store = TieredStore(self.device, disk_dir=store_dir, **budgets)
+        self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.device.type, self.name,
+                                     layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
+                                     dtype=self.dtype)
         self.schemas: dict[str, Schema] = {}
         self._block_positions: dict[BlockKey, torch.Tensor] = {}
         self.buffer = AssemblyBuffer(self.layout, dtype=self.dtype, device=self.device)
@@ -104,12 +108,16 @@ class PromptCache:
         id or local path (loaded offline from the local HF cache when no network is available).
 
         ``store_dir``: the disk tier's directory; ``None`` (or ``True``) is ``default_store_dir()``
-        (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class."""
+        (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class.
+
+        Bad options are refused before the model is loaded: a budget, an unknown or unavailable
+        device or an unknown dtype with a ``ValueError``, a missing local model directory with a
+        ``FileNotFoundError`` (``pckernels.engine.options``)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        dev = torch.device(device) if device is not None else default_device()
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+        parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
+        device, dtype = check_load_options(name_or_path, device, dtype)
+        dev = device if device is not None else default_device()
         dt = dtype or default_dtype(dev)
         if name_or_path == "smollm2":
             from pckernels.integration import embedded

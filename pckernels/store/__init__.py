@@ -11,7 +11,7 @@ from pathlib import Path
 from pckernels.store.disk import BlockFileError, DiskTier, list_blocks
 from pckernels.store.keys import FORMAT_VERSION, BlockKey, BlockKeys
 from pckernels.store.policy import CostModel, GreedyDualSizePolicy, LRUPolicy
-from pckernels.store.tiered import TieredStore, parse_size
+from pckernels.store.tiered import TieredStore, parse_budgets, parse_size
 
 
 def default_store_dir() -> Path:
@@ -23,4 +23,5 @@ def default_store_dir() -> Path:
 
 
 __all__ = ["BlockFileError", "BlockKey", "BlockKeys", "CostModel", "DiskTier", "FORMAT_VERSION",
-           "GreedyDualSizePolicy", "LRUPolicy", "TieredStore", "default_store_dir", "list_blocks", "parse_size"]
+           "GreedyDualSizePolicy", "LRUPolicy", "TieredStore", "default_store_dir", "list_blocks", "parse_budgets",
+           "parse_size"]

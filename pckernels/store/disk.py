@@ -5,12 +5,16 @@ Layout: ``<root>/v<FORMAT_VERSION>/<digest[:2]>/<digest>.safetensors`` holding o
 ``sha256`` (over the tensor's bytes) and descriptive fields (model, schema, module, scaffold,
 tokens). There is no index: a file's name is its key, so processes sharing the directory need no
 lock. Files are written to a temporary name in the same directory and renamed into place
-(``os.replace`` is atomic), so a reader sees a whole file or none. A file that is truncated,
-fails its checksum, or belongs to another key/format is logged, deleted and reported as a miss.
+(``os.replace`` is atomic), so a reader sees a whole file or none. A directory that cannot be
+used, or a write that fails (disk full, file too large, no permission), turns the tier off with a
+warning: its partial file is removed and blocks stay in memory only. A file that is truncated,
+fails its checksum, belongs to another key/format, or holds a tensor of another shape or dtype than
+its key expects is logged, deleted and reported as a miss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from pckernels.store.keys import FORMAT_VERSION, BlockKey
@@ -37,7 +42,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 
 class BlockFileError(Exception):
-    """A block file that must not be used (truncated, corrupted, foreign)."""
+    """A block file that must not be used (truncated, corrupted, foreign, wrong shape or dtype)."""
 
 
 def tensor_bytes(tensor: torch.Tensor):
@@ -61,9 +66,15 @@ def write_block(path: Path, key: BlockKey, block: torch.Tensor) -> int:
         size = os.path.getsize(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        _unlink(Path(tmp))
         raise
     return size
+
+
+def _unlink(path: Path) -> None:
+    """Delete ``path`` if it exists; a directory that vanished or cannot be written is no error here."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -88,8 +99,10 @@ def _read_header(f, file_size: int) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def read_block(path: Path, digest: str, *, pin: bool = False) -> torch.Tensor:
-    """Read and verify the block of key ``digest`` into CPU memory (pinned when ``pin``).
+def read_block(path: Path, digest: str, *, pin: bool = False, shape: tuple[int | None, ...] | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Read and verify the block of key ``digest`` into CPU memory (pinned when ``pin``); when
+    given, its ``shape`` (``None`` entries match any size) and ``dtype`` must be those expected.
 
     Raises ``FileNotFoundError`` when absent and ``BlockFileError`` when the file must not be used.
     """
@@ -103,12 +116,13 @@ def read_block(path: Path, digest: str, *, pin: bool = False) -> torch.Tensor:
             raise BlockFileError(f"foreign file (holds key {str(meta.get('key'))[:16]}…)")
         try:
             info = header["kv"]
-            dtype = _DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
+            stored_dtype = _DTYPES[info["dtype"]]
+            stored_shape = [int(d) for d in info["shape"]]
             begin, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise BlockFileError(f"corrupt header ({exc!r})") from None
-        tensor = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        _check_expected(stored_shape, stored_dtype, shape, dtype)
+        tensor = torch.empty(stored_shape, dtype=stored_dtype, pin_memory=pin)
         view = tensor_bytes(tensor)
         if end - begin != view.nbytes:
             raise BlockFileError("corrupt header (shape and offsets disagree)")
@@ -122,6 +136,17 @@ def read_block(path: Path, digest: str, *, pin: bool = False) -> torch.Tensor:
     return tensor
 
 
+def _check_expected(stored_shape: list[int], stored_dtype: torch.dtype, shape: tuple[int | None, ...] | None,
+                    dtype: torch.dtype | None) -> None:
+    """Refuse a well-formed file whose tensor is not the block its key names."""
+    if dtype is not None and stored_dtype != dtype:
+        raise BlockFileError(f"wrong dtype (holds {stored_dtype}, expected {dtype})")
+    if shape is not None and (len(stored_shape) != len(shape)
+                              or any(want is not None and got != want for got, want in zip(stored_shape, shape))):
+        want = ", ".join("*" if d is None else str(d) for d in shape)
+        raise BlockFileError(f"wrong shape (holds {list(stored_shape)}, expected [{want}])")
+
+
 @dataclass
 class DiskStats:
     hits: int = 0
@@ -131,7 +156,7 @@ class DiskStats:
     write_s: float = 0.0
     evictions: int = 0
     discarded: int = 0
-    """Files found unusable (truncated, corrupt, foreign) and deleted."""
+    """Files found unusable (truncated, corrupt, foreign, wrong shape or dtype) and deleted."""
     skipped: int = 0
     """Blocks larger than the whole disk budget, not written."""
     reasons: dict[str, int] = field(default_factory=dict)
@@ -143,19 +168,39 @@ class DiskTier:
     The budget counts the files this process knows: those present at start-up (scanned, oldest
     modification time evicted first) plus those it wrote or found since. Loading a file bumps its
     modification time so that other processes' scans see it as recently used.
+
+    ``off``: why the tier is off (``None`` while on). It goes off, with a warning, when its
+    directory cannot be created (a file is in the way, no permission) or a write fails (disk full);
+    from then on it holds nothing: reads miss and writes are refused.
     """
 
     def __init__(self, root: str | os.PathLike, budget: int, *, policy: str = "gds",
                  cost: CostModel = CostModel(20e-3, 50e6)) -> None:
         self.root = Path(root)
         self.dir = self.root / f"v{FORMAT_VERSION}"
+        if int(budget) < 0:
+            raise ValueError(f"disk budget must not be negative, got {budget!r}")
         self.budget = int(budget)
         self._policy_args = (policy, cost)
         self.policy = make_policy(policy, cost)
         self.stats = DiskStats()
         self._sizes: dict[str, int] = {}
         self.nbytes = 0
+        self.off: str | None = None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.turn_off(f"cannot use directory {self.root}: {exc}")
+            return
         self._scan()
+
+    def turn_off(self, reason: str) -> None:
+        """Stop using the disk: forget every file (they stay where they are) and refuse further I/O."""
+        log.warning("disk tier off: %s; encoded blocks are kept in memory only", reason)
+        self.off = reason
+        self._sizes.clear()
+        self.nbytes = 0
+        self.policy = make_policy(*self._policy_args)
 
     def path(self, digest: str) -> Path:
         return self.dir / digest[:2] / f"{digest}{SUFFIX}"
@@ -190,9 +235,11 @@ class DiskTier:
     def __contains__(self, key: BlockKey) -> bool:
         if key.digest in self._sizes:
             return True
+        if self.off is not None:
+            return False
         try:
             size = self.path(key.digest).stat().st_size
-        except FileNotFoundError:
+        except OSError:
             return False
         self._track(key.digest, size)
         self._evict_to(self.budget, keep=key.digest)
@@ -209,7 +256,8 @@ class DiskTier:
         ``(block or the exception, seconds)``; hand the result to ``accept``."""
         t0 = time.perf_counter()
         try:
-            outcome: torch.Tensor | Exception = read_block(self.path(key.digest), key.digest, pin=pin)
+            outcome: torch.Tensor | Exception = read_block(self.path(key.digest), key.digest, pin=pin,
+                                                           shape=key.shape, dtype=key.dtype)
         except (OSError, BlockFileError) as exc:
             outcome = exc
         return outcome, time.perf_counter() - t0
@@ -220,8 +268,13 @@ class DiskTier:
         if isinstance(outcome, torch.Tensor):
             self.stats.loads += 1
             self.stats.load_s += seconds
+            if self.off is not None:
+                return outcome
             if key.digest not in self._sizes:
-                self._track(key.digest, os.path.getsize(self.path(key.digest)))
+                try:
+                    self._track(key.digest, os.path.getsize(self.path(key.digest)))
+                except OSError:
+                    return outcome
             self.policy.touch(key.digest)
             try:
                 os.utime(self.path(key.digest))
@@ -237,7 +290,9 @@ class DiskTier:
         return None
 
     def read(self, key: BlockKey, *, pin: bool = False) -> torch.Tensor | None:
-        """The verified block, or ``None`` when absent or unusable (then it is deleted)."""
+        """The verified block, or ``None`` when absent or unusable (then it is deleted) or the tier is off."""
+        if self.off is not None:
+            return None
         return self.accept(key, self.read_raw(key, pin))
 
     def discard(self, key: BlockKey, reason: str) -> None:
@@ -247,11 +302,14 @@ class DiskTier:
         kind = reason.split(" (")[0]
         self.stats.reasons[kind] = self.stats.reasons.get(kind, 0) + 1
         self._forget(key.digest)
-        self.path(key.digest).unlink(missing_ok=True)
+        _unlink(self.path(key.digest))
 
     def write(self, key: BlockKey, block: torch.Tensor) -> bool:
         """Write ``block`` (any device), then delete other files until the budget holds again.
-        Returns whether the block is now on disk."""
+        Returns whether the block is now on disk. A failed write (disk full, …) leaves no partial
+        file and turns the tier off."""
+        if self.off is not None:
+            return False
         if block.numel() * block.element_size() > self.budget:
             self.stats.skipped += 1
             return False
@@ -259,8 +317,8 @@ class DiskTier:
         t0 = time.perf_counter()
         try:
             size = write_block(self.path(key.digest), key, block.detach().to("cpu"))
-        except OSError as exc:
-            log.warning("cannot write block %s to %s: %s", key.label, self.dir, exc)
+        except (OSError, SafetensorError) as exc:
+            self.turn_off(f"cannot write block {key.label} to {self.dir}: {exc}")
             return False
         self.stats.writes += 1
         self.stats.write_s += time.perf_counter() - t0
@@ -276,7 +334,7 @@ class DiskTier:
                 self.policy.touch(digest)
                 continue
             self._forget(digest)
-            self.path(digest).unlink(missing_ok=True)
+            _unlink(self.path(digest))
             self.stats.evictions += 1
 
     def clear(self) -> int:

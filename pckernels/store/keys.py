@@ -16,18 +16,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import torch
 
 from pckernels.pml.model import Schema
 
 FORMAT_VERSION = 1
 """Bump when the block layout ``[L, 2, H, n, D]`` or the encoding procedure changes."""
 
+MEMO_SCHEMAS = 64
+"""Schema versions whose keys ``BlockKeys`` keeps memoized (least recently used dropped first)."""
+
 
 @dataclass(frozen=True)
 class BlockKey:
     """Identity of one encoded block: ``digest`` (sha256 hex) is the whole identity; the other
-    fields describe it for humans (listing, logs) and never take part in equality."""
+    fields describe it (listings, logs, checks on load) and never take part in equality.
+
+    ``shape`` / ``dtype``: what the block must be, checked when it is read from disk (``None``:
+    unchecked; a ``None`` inside ``shape``: any size along that dimension).
+    """
 
     digest: str
     model: str = field(default="", compare=False)
@@ -35,6 +45,8 @@ class BlockKey:
     module: str = field(default="", compare=False)
     scaffold: str = field(default="", compare=False)
     tokens: int = field(default=0, compare=False)
+    shape: tuple[int | None, ...] | None = field(default=None, compare=False)
+    dtype: torch.dtype | None = field(default=None, compare=False)
 
     @property
     def label(self) -> str:
@@ -57,21 +69,49 @@ class BlockKeys:
 
     ``model_id`` must identify config, weights and dtype; ``tokenizer_id`` the vocabulary and
     rules; ``device_kind`` (``"cpu"``, ``"cuda"``) separates numerics of different kernels so a
-    reload is bit-identical to the original encode.
+    reload is bit-identical to the original encode. ``layout`` (layers, KV heads, head size) and
+    ``dtype``, when given, set each key's expected block ``shape`` and ``dtype``.
+
+    The memo holds the keys of at most ``memo_schemas`` schema versions (by digest, least recently
+    used dropped first) and one version per schema name: keying a new version of a name drops the
+    old one's keys. A dropped version's keys are simply made again if it is used again.
     """
 
-    def __init__(self, model_id: str, tokenizer_id: str, device_kind: str, model_name: str = "") -> None:
+    def __init__(self, model_id: str, tokenizer_id: str, device_kind: str, model_name: str = "", *,
+                 layout: tuple[int, int, int] | None = None, dtype: torch.dtype | None = None,
+                 memo_schemas: int = MEMO_SCHEMAS) -> None:
+        self.layout = layout
+        self.dtype = dtype
         self._prefix = json.dumps({"format": FORMAT_VERSION, "model": model_id, "tokenizer": tokenizer_id,
                                    "device": device_kind}, sort_keys=True)
         self.model_name = model_name
-        self._memo: dict[tuple[str, str, str], BlockKey] = {}
+        self.memo_schemas = memo_schemas
+        self._memo: OrderedDict[str, tuple[str, dict[tuple[str, str], BlockKey]]] = OrderedDict()
+        """schema digest -> (schema name, (module, scaffold) -> key), most recently used last."""
 
     def __call__(self, schema: Schema, module: str, scaffold: str = "") -> BlockKey:
-        memo = (schema.digest, module, scaffold)
-        key = self._memo.get(memo)
+        memo = self._memo_of(schema)
+        key = memo.get((module, scaffold))
         if key is None:
-            key = self._memo[memo] = self._make(schema, module, scaffold)
+            key = memo[(module, scaffold)] = self._make(schema, module, scaffold)
         return key
+
+    def memoized(self) -> dict[str, int]:
+        """Keys held in the memo per schema digest (for tests and diagnostics)."""
+        return {digest: len(keys) for digest, (_, keys) in self._memo.items()}
+
+    def _memo_of(self, schema: Schema) -> dict[tuple[str, str], BlockKey]:
+        entry = self._memo.get(schema.digest)
+        if entry is not None:
+            self._memo.move_to_end(schema.digest)
+            return entry[1]
+        for digest in [d for d, (name, _) in self._memo.items() if name == schema.name]:
+            del self._memo[digest]
+        while len(self._memo) >= max(1, self.memo_schemas):
+            self._memo.popitem(last=False)
+        keys: dict[tuple[str, str], BlockKey] = {}
+        self._memo[schema.digest] = (schema.name, keys)
+        return keys
 
     def _make(self, schema: Schema, module: str, scaffold: str) -> BlockKey:
         mod = schema.modules[module]
@@ -83,5 +123,10 @@ class BlockKeys:
             scope["peers"] = [_content(m.token_ids, m.position_ids) for m in peers]
         h = hashlib.sha256(self._prefix.encode())
         h.update(json.dumps(scope, separators=(",", ":")).encode())
+        n = len(mod.token_ids)
+        shape = None
+        if self.layout is not None:
+            layers, heads, head_dim = self.layout
+            shape = (layers, 2, heads, n, head_dim)
         return BlockKey(h.hexdigest(), model=self.model_name, schema=schema.name, module=module,
-                        scaffold=scaffold, tokens=len(mod.token_ids))
+                        scaffold=scaffold, tokens=n, shape=shape, dtype=self.dtype)

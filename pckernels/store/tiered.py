@@ -7,7 +7,8 @@ Blocks are ``[L, 2, H, n, D]`` tensors keyed by ``BlockKey``. Placement rules:
 * The device and host tiers are exclusive: a block lives in at most one of them. When the
   device tier is over budget its victim moves to the host tier; when the host tier is over
   budget its victim is dropped from memory (written to disk first if the file is missing).
-  When the disk tier is over budget its victim's file is deleted (re-encoded on next use).
+  When the disk tier is over budget its victim's file is deleted (re-encoded on next use). A disk
+  tier that cannot write (disk full, a file where its directory should be) turns itself off.
 * ``get`` moves a block up to the device tier (returns it on the engine's device) or returns
   ``None`` when no tier holds it (the caller re-encodes and ``put``\\ s it).
 * ``prefetch`` stages blocks without evicting anything: host blocks are copied to the device
@@ -22,6 +23,8 @@ Budgets hold after every public call returns. Not thread-safe: one engine, one t
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import os
 import re
 import time
@@ -55,14 +58,30 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "mib": 1 << 20, "g": GiB, "gb": 1000 ** 3, "gib": GiB, "t": 1 << 40, "tb": 1000 ** 4, "tib": 1 << 40}
 
 
-def parse_size(value: int | float | str) -> int:
-    """Bytes from ``1048576``, ``"512MiB"``, ``"2GB"``, ``"1.5g"``."""
-    if isinstance(value, (int, float)):
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {value!r} (examples: 1048576, 512MiB, 2GB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+def parse_size(value: int | float | str, name: str = "size") -> int:
+    """Bytes from ``1048576``, ``"512MiB"``, ``"2GB"``, ``"1.5g"``. Anything else — negative,
+    not finite, not a number or size string — is a ``ValueError`` naming ``name``."""
+    examples = "examples: 1048576, 512MiB, 2GB"
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number of bytes, got {value!r}")
+        number, unit = value, ""
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([-+\u2212]?)\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(3).lower() not in _UNITS:
+            raise ValueError(f"{name} is not a size: {value!r} ({examples})")
+        number = -float(match.group(2)) if match.group(1) in ("-", "\u2212") else float(match.group(2))
+        unit = match.group(3).lower()
+    else:
+        raise ValueError(f"{name} must be a number of bytes or a size string ({examples}), got {value!r}")
+    if number < 0:
+        raise ValueError(f"{name} must not be negative, got {value!r}")
+    return int(number * _UNITS[unit])
+
+
+def parse_budgets(**budgets: int | float | str | None) -> dict[str, int | None]:
+    """``parse_size`` of each budget given by name; ``None`` (the default) passes through."""
+    return {name: None if value is None else parse_size(value, name) for name, value in budgets.items()}
 
 
 def nbytes_of(tensor: torch.Tensor) -> int:
@@ -114,7 +133,8 @@ class TieredStore:
     """Device / host / disk block store (see the module docstring).
 
     ``device_budget``, ``host_budget``, ``disk_budget``: bytes or strings like ``"2GiB"``; ``None``
-    takes the default (device: a quarter of the GPU, 1 GiB on CPU; host 4 GiB; disk 20 GiB).
+    takes the default (device: a quarter of the GPU, 1 GiB on CPU; host 4 GiB; disk 20 GiB); a
+    negative or unreadable budget is a ``ValueError`` naming it, raised before anything is set up.
     ``disk_dir=None`` means no disk tier. ``policy``: ``"gds"`` (GreedyDual-Size-Frequency,
     default) or ``"lru"``.
     """
@@ -125,14 +145,19 @@ class TieredStore:
         self.device = torch.device(device)
         on_cuda = self.device.type == "cuda"
         self.pin = on_cuda
-        dev_budget = default_device_budget(self.device) if device_budget is None else parse_size(device_budget)
+        budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
+        dev_budget = budgets["device_budget"]
+        if dev_budget is None:
+            dev_budget = default_device_budget(self.device)
+        host = budgets["host_budget"]
+        disk = budgets["disk_budget"]
         self.device_tier = MemoryTier("device", dev_budget,
                                       make_policy(policy, REFILL_COST["device-cuda" if on_cuda else "device-cpu"]))
-        self.host_tier = MemoryTier("host", DEFAULT_HOST_BUDGET if host_budget is None else parse_size(host_budget),
+        self.host_tier = MemoryTier("host", DEFAULT_HOST_BUDGET if host is None else host,
                                     make_policy(policy, REFILL_COST["host"]))
         self.disk: DiskTier | None = None
         if disk_dir is not None:
-            self.disk = DiskTier(disk_dir, DEFAULT_DISK_BUDGET if disk_budget is None else parse_size(disk_budget),
+            self.disk = DiskTier(disk_dir, DEFAULT_DISK_BUDGET if disk is None else disk,
                                  policy=policy, cost=REFILL_COST["disk"])
         self.policy = policy
         self.misses = 0
@@ -232,7 +257,8 @@ class TieredStore:
                               "budget": tier.budget, "evictions": tier.evictions}
         if self.disk is not None:
             s = self.disk.stats
-            out["disk"] = {"hits": s.hits, "entries": len(self.disk), "bytes": self.disk.nbytes,
+            out["disk"] = {"enabled": self.disk.off is None, "off_reason": self.disk.off,
+                           "hits": s.hits, "entries": len(self.disk), "bytes": self.disk.nbytes,
                            "budget": self.disk.budget, "evictions": s.evictions, "loads": s.loads,
                            "load_s": s.load_s, "writes": s.writes, "write_s": s.write_s,
                            "discarded": s.discarded, "discard_reasons": dict(s.reasons),

@@ -356,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
         args.limit = args.limit or 3
         args.shares = [0.25, 1.0]
         args.max_new_tokens = 12
+    from pckernels.engine.options import check_model_path
+
+    try:
+        check_model_path(args.model)
+    except OSError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     args.machine = args.machine or _machine()
     out_dir = args.out or RESULTS_ROOT / args.machine / "fidelity"

@@ -61,7 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pckernels.engine import PromptCache
+    from pckernels.engine.options import check_load_options
     from perf.suite.runner import PARTIAL_NAME, default_out_dir, read_checkpoint, run_suite, write_results
+
+    try:
+        check_load_options(args.model, args.device, args.dtype)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
     torch.set_num_threads(args.threads)
     preset = args.preset or ("quick" if args.quick else "full")
