@@ -1,6 +1,12 @@
-"""promptcache: modular attention (KV) reuse for LLM prompts."""
+"""promptcache: modular attention (KV) reuse for LLM prompts.
 
+Importing the package makes ``torch.ops.promptcache.*`` callable (they register on first use).
+"""
+
+from pckernels import _torch_ops
 from pckernels.errors import PMLError, UnsupportedModelError
+
+_torch_ops.install()
 
 __version__ = "0.1.0"
 __all__ = ["PMLError", "UnsupportedModelError", "PromptCache", "__version__"]

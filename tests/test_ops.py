@@ -7,6 +7,10 @@ compared bit for bit, so every intended row must be written and every other row 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.library import opcheck
@@ -402,3 +406,45 @@ def test_backend_selection(monkeypatch):
     x = torch.randn(1, 1, 2, 4)
     ops.rope_at_positions(x, torch.tensor([1, 2]), inv_freq_for(4))
     assert ops.launch_counts() == {}
+
+
+# ----------------------------------------------------------------------------- import pckernels
+
+FRESH_IMPORT = r"""
+import sys
+import torch
+{before}
+import pckernels
+print("registered at import:", "pckernels.ops._library" in sys.modules)
+g = torch.Generator().manual_seed(0)
+k, v = torch.randn(1, 3, 5, 6, generator=g), torch.randn(1, 3, 5, 6, generator=g)
+rows = torch.tensor([8, 0, 3, 6, 1])
+k_out, v_out = torch.full((1, 3, 9, 6), float("nan")), torch.full((1, 3, 9, 6), float("nan"))
+torch.ops.promptcache.scatter_rows(k_out, v_out, k, v, rows, "torch")
+x, pos, inv = torch.randn(2, 1, 5, 6, generator=g), torch.tensor([7, 0, 3, 3, 1]), torch.tensor([1.0, 0.01])
+out = torch.full_like(x, float("nan"))
+torch.ops.promptcache.rope_at_positions(x, pos, inv, 1.25, out, "torch")
+
+from pckernels.kernels import reference as ref
+ek, ev = torch.full_like(k_out, float("nan")), torch.full_like(v_out, float("nan"))
+ref.scatter_rows_ref(ek, ev, k, v, rows)
+torch.testing.assert_close(k_out, ek, rtol=0, atol=0, equal_nan=True)
+torch.testing.assert_close(v_out, ev, rtol=0, atol=0, equal_nan=True)
+assert k_out[:, :, [2, 4, 5, 7]].isnan().all() and not k_out[:, :, rows].isnan().any()
+torch.testing.assert_close(out, ref.rope_at_positions_ref(x, pos, inv, 1.25), atol=2e-6, rtol=2e-6)
+print("ops ok")
+"""
+
+
+@pytest.mark.parametrize("before, registered_at_import", [
+    ("", False),
+    ("assert not hasattr(torch.ops.promptcache, 'scatter_rows')", True),
+], ids=["fresh", "namespace-touched-first"])
+def test_import_pckernels_makes_registered_ops_callable(before, registered_at_import):
+    """In a fresh interpreter ``import pckernels`` alone makes ``torch.ops.promptcache.*`` work,
+    registering them on first use (or at once when ``torch.ops.promptcache`` was looked at before)."""
+    script = FRESH_IMPORT.format(before=before)
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == [f"registered at import: {registered_at_import}", "ops ok"]
