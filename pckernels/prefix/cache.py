@@ -151,7 +151,7 @@ class PrefixCache:
         with torch.no_grad():
             prefill = self._prefill_reusing(prompt_ids, ids) if use_store else self._prefill_uncached(ids)
             first_logits = prefill.logits.float()
-            generator = make_generator(seed, self.device)
+            generator = make_generator(seed)
             token = select_token(first_logits, temperature=temperature, top_p=top_p, generator=generator)
             ttft = time.perf_counter() - started
             tokens, finish_reason = self._decode(prefill.cache, token, len(prompt_ids), max_new_tokens,
