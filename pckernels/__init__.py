@@ -4,12 +4,12 @@ Importing the package makes ``torch.ops.promptcache.*`` callable (they register 
 """
 
 from pckernels import _torch_ops
-from pckernels.errors import PMLError, UnsupportedModelError
+from pckernels.errors import PMLError, PromptTooLongError, UnsupportedModelError
 
 _torch_ops.install()
 
 __version__ = "0.1.0"
-__all__ = ["PMLError", "UnsupportedModelError", "PromptCache", "__version__"]
+__all__ = ["PMLError", "PromptTooLongError", "UnsupportedModelError", "PromptCache", "__version__"]
 
 
 def __getattr__(name: str):
