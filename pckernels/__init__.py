@@ -1,9 +1,15 @@
-"""promptcache: modular attention (KV) reuse for LLM prompts."""
+"""promptcache: modular attention (KV) reuse for LLM prompts.
 
-from pckernels.errors import PMLError, UnsupportedModelError
+Importing the package makes ``torch.ops.promptcache.*`` callable (they register on first use).
+"""
+
+from pckernels import _torch_ops
+from pckernels.errors import PMLError, PromptTooLongError, UnsupportedModelError
+
+_torch_ops.install()
 
 __version__ = "0.1.0"
-__all__ = ["PMLError", "UnsupportedModelError", "PromptCache", "__version__"]
+__all__ = ["PMLError", "PromptTooLongError", "UnsupportedModelError", "PromptCache", "__version__"]
 
 
 def __getattr__(name: str):

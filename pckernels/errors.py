@@ -26,5 +26,23 @@ class PMLError(ValueError):
         super().__init__(where + message)
 
 
+class PromptTooLongError(ValueError):
+    """A prompt leaves no room to generate within the model's positions.
+
+    ``last_position``: the prompt's highest position id; ``limit``: how many positions the
+    model takes (its adapter's ``max_positions()``).
+    """
+
+    def __init__(self, last_position: int, limit: int) -> None:
+        self.last_position = last_position
+        self.limit = limit
+        super().__init__(f"the prompt reaches position {last_position}, leaving no room to generate within the "
+                         f"model's {limit} positions")
+
+
+class PMLPromptTooLongError(PromptTooLongError, PMLError):
+    """A PML prompt too long for the model: a :class:`PromptTooLongError` and a :class:`PMLError`."""
+
+
 class UnsupportedModelError(ValueError):
     """The model's architecture is not supported by promptcache (the message names those that are)."""

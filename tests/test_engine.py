@@ -212,6 +212,23 @@ def test_unsupported_model_is_a_clear_error(tokenizer):
         PromptCache(model, tokenizer)
 
 
+def test_prompt_filling_max_positions_is_refused(tokenizer):
+    """A prompt using the model's last position parses but leaves none to generate at: generate()
+    refuses it with the error complete() raises, which is also a PMLError (as every PML rejection)."""
+    from pckernels import PromptTooLongError
+
+    pc = PromptCache(tiny_llama(len(tokenizer), max_position_embeddings=64), tokenizer)
+    pc.add_schema('<schema name="short"><system>Be brief.</system></schema>')
+    prompts = ['<prompt schema="short"><user>' + " a" * k + "</user><assistant/></prompt>" for k in range(64)]
+    full = next(p for p in prompts if max(pc.resolve(p).position_ids) == 63)
+    for mode in ("cached", "reference", "baseline"):
+        with pytest.raises(PromptTooLongError, match="reaches position 63, leaving no room to generate within "
+                                                     "the model's 64 positions") as err:
+            pc.generate(full, mode=mode)
+        assert isinstance(err.value, PMLError)
+        assert (err.value.last_position, err.value.limit, err.value.line) == (63, 64, None)
+
+
 @pytest.mark.slow
 def test_embedded_model_demo_schema_is_exact():
     from importlib import resources

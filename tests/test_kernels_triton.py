@@ -130,10 +130,23 @@ def test_opcheck_triton_cuda(i):
     assert all(v == "SUCCESS" for v in res.values()), res
 
 
-def test_forced_triton_without_runtime_raises(monkeypatch):
+def test_forced_triton_without_runtime_raises(monkeypatch, launches):
+    """Forcing Triton on CPU tensors without the interpreter raises, on every machine; on CUDA
+    tensors it runs the compiled kernel, which needs no interpreter. Without Triton it raises."""
     from pckernels.kernels import _common
+    from pckernels.kernels import reference as ref
 
     monkeypatch.setattr(_common, "INTERPRET", False)
-    if DEVICE == "cpu":
-        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-            ops.rope_at_positions(torch.zeros(1, 1, 1, 2), torch.tensor([0]), inv_freq_for(2), backend="triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        ops.rope_at_positions(torch.zeros(1, 1, 1, 2), torch.tensor([0]), inv_freq_for(2), backend="triton")
+    assert launches("rope") == 0
+    if DEVICE == "cuda":
+        x, pos, inv = randn(1, 2, 3, 6, device="cuda"), torch.tensor([4, 0, 9]), inv_freq_for(6)
+        got = ops.rope_at_positions(x.clone(), pos.cuda(), inv.cuda(), backend="triton")
+        assert launches("rope") == 1
+        torch.testing.assert_close(got.cpu(), ref.rope_at_positions_ref(x.cpu(), pos, inv), atol=2e-6, rtol=2e-6)
+    monkeypatch.setattr(_common, "HAS_TRITON", False)
+    with pytest.raises(RuntimeError, match="cannot run"):
+        ops.rope_at_positions(randn(1, 1, 1, 2, device=DEVICE), torch.tensor([0], device=DEVICE),
+                              inv_freq_for(2).to(DEVICE), backend="triton")
+    assert launches("rope") == (DEVICE == "cuda")

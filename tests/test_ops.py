@@ -7,9 +7,14 @@ compared bit for bit, so every intended row must be written and every other row 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.library import opcheck
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pckernels import ops
 from pckernels.kernels import reference as ref
@@ -286,14 +291,29 @@ def test_rope_at_positions_matches_hf_rotary_embedding(device):
     torch.testing.assert_close(gk, hk, atol=1e-5, rtol=1e-5)
 
 
+class DispatchedOps(TorchDispatchMode):
+    """Records the name of every op that reaches the dispatcher's Python mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_apply_rotary_pos_emb_autograd(device):
+    """With grads needed, forward and backward run the registered op (its custom backward)."""
     q = randn(1, 3, 5, 6, device=device).requires_grad_()
     k = randn(1, 1, 5, 6, device=device).requires_grad_()
     cos, sin = ref.cos_sin_ref(torch.arange(5)[None], inv_freq_for(4))
     cos, sin = cos.to(device).requires_grad_(), sin.to(device).requires_grad_()
-    qo, ko = ops.apply_rotary_pos_emb(q, k, cos, sin, backend=backend_for(device))
-    (qo.square().sum() + (ko * 3).sum()).backward()
+    with DispatchedOps() as dispatched:
+        qo, ko = ops.apply_rotary_pos_emb(q, k, cos, sin, backend=backend_for(device))
+        (qo.square().sum() + (ko * 3).sum()).backward()
+    assert dispatched.names.count("promptcache.apply_rotary_pos_emb.default") == 2
     grads = [t.grad.clone() for t in (q, k, cos, sin)]
     for t in (q, k, cos, sin):
         t.grad = None
@@ -370,9 +390,22 @@ def test_opcheck(device, i):
     assert all(v == "SUCCESS" for v in res.values()), res
 
 
+def graph_recorder(graphs: list):
+    """A ``torch.compile`` backend that keeps each Dynamo graph's op packets, then runs Inductor."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(gm, example_inputs):
+        graphs.append({getattr(n.target, "overloadpacket", n.target) for n in gm.graph.nodes
+                       if n.op == "call_function"})
+        return lookup_backend("inductor")(gm, example_inputs)
+
+    return backend
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_ops_under_torch_compile(device):
-    """The API routes through the registered ops inside a compiled function."""
+    """Inside a compiled function the API calls ``torch.ops.promptcache.*`` (the graph holds
+    them, not the aten ops of the implementation), and the compiled results are right."""
     torch._dynamo.reset()
     be = backend_for(device)
     inv = inv_freq_for(4).to(device)
@@ -386,19 +419,108 @@ def test_ops_under_torch_compile(device):
     k, v = randn(1, 2, 3, 4, device=device), randn(1, 2, 3, 4, device=device)
     rows = torch.tensor([4, 0, 2], device=device)
     x, pos = randn(1, 2, 3, 6, device=device), torch.tensor([9, 2, 5], device=device)
-    got = torch.compile(step, fullgraph=True)(k_out, v_out, k, v, rows, x, pos)
+    graphs: list[set] = []
+    got = torch.compile(step, fullgraph=True, backend=graph_recorder(graphs))(k_out, v_out, k, v, rows, x, pos)
+    assert len(graphs) == 1
+    assert {torch.ops.promptcache.scatter_rows, torch.ops.promptcache.rope_at_positions} <= graphs[0]
+    assert not {torch.ops.aten.index_copy_, torch.ops.aten.index_copy} & graphs[0]
     ek, ev = torch.zeros_like(k_out), torch.zeros_like(v_out)
     ref.scatter_rows_ref(ek, ev, k, v, rows)
     assert torch.equal(k_out, ek) and torch.equal(v_out, ev)
     torch.testing.assert_close(got, ref.rope_at_positions_ref(x, pos, inv) * 2, atol=1e-5, rtol=1e-5)
 
 
-def test_backend_selection(monkeypatch):
-    with pytest.raises(ValueError):
-        ops.scatter_rows(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 1, 2),
-                         torch.zeros(1, 1, 1, 2), torch.tensor([0]), backend="cuda")
-    monkeypatch.setenv("PROMPTCACHE_KERNEL_BACKEND", "torch")
+def test_backend_rejects_unknown_names(monkeypatch):
+    args = (torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2),
+            torch.tensor([0]))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.scatter_rows(*args, backend="cuda")
+    monkeypatch.setenv("PROMPTCACHE_KERNEL_BACKEND", "gpu")
+    with pytest.raises(ValueError, match="'gpu'"):
+        ops.scatter_rows(*args)
+
+
+@pytest.mark.parametrize("env, backend, runs", [
+    (None, None, "auto"),
+    ("triton", None, "triton"),
+    ("torch", None, "torch"),
+    ("torch", "triton", "triton"),
+    ("triton", "torch", "torch"),
+    ("triton", "auto", "auto"),
+])
+def test_backend_override_switches_implementation(monkeypatch, env, backend, runs):
+    """``backend=`` (first) and ``$PROMPTCACHE_KERNEL_BACKEND`` decide which implementation runs:
+    spies on the Triton launcher and the torch path record the one that ran, the launch counter
+    agrees, and the result matches the reference. ``auto`` is Triton on CUDA, torch on CPU."""
+    from pckernels.kernels import rope, triton_runnable
+
+    device = "cuda" if CUDA else "cpu"
+    if not triton_runnable(torch.device(device)):
+        pytest.skip("Triton cannot run here (no CUDA and TRITON_INTERPRET unset at import)")
+    if runs == "auto":
+        runs = "triton" if device == "cuda" else "torch"
+    ran = []
+
+    def spy(name):
+        original = getattr(rope, name)
+
+        def run(*args, **kwargs):
+            ran.append(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(rope, name, run)
+
+    spy("rope_positions_triton")
+    spy("rope_positions_torch")
+    if env is None:
+        monkeypatch.delenv("PROMPTCACHE_KERNEL_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("PROMPTCACHE_KERNEL_BACKEND", env)
     ops.reset_launch_counts()
-    x = torch.randn(1, 1, 2, 4)
-    ops.rope_at_positions(x, torch.tensor([1, 2]), inv_freq_for(4))
-    assert ops.launch_counts() == {}
+    x, pos, inv = randn(1, 3, 5, 6, device=device), torch.tensor([4, 0, 7, 7, 2], device=device), inv_freq_for(6)
+    got = ops.rope_at_positions(x.clone(), pos, inv.to(device), 1.5, backend=backend)
+    assert ran == [f"rope_positions_{runs}"]
+    assert ops.launch_counts().get("rope", 0) == (runs == "triton")
+    torch.testing.assert_close(got.cpu(), ref.rope_at_positions_ref(x.cpu(), pos.cpu(), inv, 1.5), atol=2e-6, rtol=2e-6)
+
+
+# ----------------------------------------------------------------------------- import pckernels
+
+FRESH_IMPORT = r"""
+import sys
+import torch
+{before}
+import pckernels
+print("registered at import:", "pckernels.ops._library" in sys.modules)
+g = torch.Generator().manual_seed(0)
+k, v = torch.randn(1, 3, 5, 6, generator=g), torch.randn(1, 3, 5, 6, generator=g)
+rows = torch.tensor([8, 0, 3, 6, 1])
+k_out, v_out = torch.full((1, 3, 9, 6), float("nan")), torch.full((1, 3, 9, 6), float("nan"))
+torch.ops.promptcache.scatter_rows(k_out, v_out, k, v, rows, "torch")
+x, pos, inv = torch.randn(2, 1, 5, 6, generator=g), torch.tensor([7, 0, 3, 3, 1]), torch.tensor([1.0, 0.01])
+out = torch.full_like(x, float("nan"))
+torch.ops.promptcache.rope_at_positions(x, pos, inv, 1.25, out, "torch")
+
+from pckernels.kernels import reference as ref
+ek, ev = torch.full_like(k_out, float("nan")), torch.full_like(v_out, float("nan"))
+ref.scatter_rows_ref(ek, ev, k, v, rows)
+torch.testing.assert_close(k_out, ek, rtol=0, atol=0, equal_nan=True)
+torch.testing.assert_close(v_out, ev, rtol=0, atol=0, equal_nan=True)
+assert k_out[:, :, [2, 4, 5, 7]].isnan().all() and not k_out[:, :, rows].isnan().any()
+torch.testing.assert_close(out, ref.rope_at_positions_ref(x, pos, inv, 1.25), atol=2e-6, rtol=2e-6)
+print("ops ok")
+"""
+
+
+@pytest.mark.parametrize("before, registered_at_import", [
+    ("", False),
+    ("assert not hasattr(torch.ops.promptcache, 'scatter_rows')", True),
+], ids=["fresh", "namespace-touched-first"])
+def test_import_pckernels_makes_registered_ops_callable(before, registered_at_import):
+    """In a fresh interpreter ``import pckernels`` alone makes ``torch.ops.promptcache.*`` work,
+    registering them on first use (or at once when ``torch.ops.promptcache`` was looked at before)."""
+    script = FRESH_IMPORT.format(before=before)
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == [f"registered at import: {registered_at_import}", "ops ok"]

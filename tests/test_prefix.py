@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pckernels.errors import UnsupportedModelError
+from pckernels.errors import PMLError, PromptTooLongError, UnsupportedModelError
 from pckernels.prefix import PrefixCache, encode_prompt
 from pckernels.prefix.blocks import BlockStore, CachedEntry, block_keys, prompt_end_key
 from pckernels.prefix.states import CacheStates
@@ -210,6 +210,55 @@ def test_self_check_refuses_inexact_restore(tokenizer, monkeypatch):
     monkeypatch.setattr(CacheStates, "restore", perturbed)
     cache = PrefixCache(tiny_model("qwen3_next", len(tokenizer)), tokenizer, block_size=BLOCK)
     assert not cache.reuse_supported and "bitwise" in cache.refusal
+
+
+def short_context_model(family: str, vocab_size: int, positions: int):
+    """A tiny random GPT-2 (learned positions: ``wpe`` has ``positions`` rows) or Llama (RoPE)
+    whose config allows ``positions`` positions."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=2,
+                                          n_positions=positions)).eval()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                        max_position_embeddings=positions)).eval()
+
+
+def token_ids(n: int) -> list[int]:
+    return [(7 * i) % 200 + 3 for i in range(n)]
+
+
+@pytest.mark.parametrize("family, limit", [("gpt2", 64), ("llama", 47)])
+def test_prompt_must_leave_room_within_max_positions(tokenizer, family, limit):
+    """A prompt filling the model's positions is refused with generate()'s error (a ValueError,
+    not a PMLError: the prompt is no PML), whether or not reuse is on."""
+    cache = PrefixCache(short_context_model(family, len(tokenizer), limit), tokenizer, block_size=BLOCK)
+    assert cache.max_positions == limit
+    for n in (limit, limit + 1, 1500):
+        for reuse in (True, False):
+            with pytest.raises(PromptTooLongError, match=f"reaches position {n - 1}, leaving no room to generate "
+                                                         f"within the model's {limit} positions") as err:
+                cache.complete(token_ids(n), max_new_tokens=1, reuse=reuse)
+            assert (err.value.last_position, err.value.limit) == (n - 1, limit)
+            assert not isinstance(err.value, PMLError)
+    assert cache.stats()["queries"] == 0
+
+
+@pytest.mark.parametrize("family, limit", [("gpt2", 64), ("llama", 47)])
+def test_generation_stops_at_the_last_position(tokenizer, family, limit):
+    """Decoding feeds tokens up to position ``limit - 1`` and stops there with ``"length"``: a
+    prompt of ``n`` tokens yields at most ``limit - n + 1`` tokens, identical with reuse."""
+    cache = PrefixCache(short_context_model(family, len(tokenizer), limit), tokenizer, block_size=BLOCK)
+    for n in (limit - 1, limit - 20):
+        for max_new_tokens in (limit - n + 1, limit - n + 30):
+            reference = cache.complete(token_ids(n), max_new_tokens=max_new_tokens, reuse=False)
+            reused = cache.complete(token_ids(n), max_new_tokens=max_new_tokens)
+            assert_same(reference, reused)
+            assert len(reference.token_ids) == limit - n + 1 and reference.finish_reason == "length"
+    short = cache.complete(token_ids(limit - 20), max_new_tokens=3)
+    assert len(short.token_ids) == 3 and short.finish_reason == "length"
 
 
 def test_encode_prompt_forms(tokenizer):

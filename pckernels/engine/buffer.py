@@ -34,7 +34,7 @@ class AssemblyBuffer:
     """Grow-only KV buffer with per-row positions and liveness.
 
     ``data [L, 2, H, capacity, D]``; ``row_pos [capacity]`` int64; ``row_bias [capacity]`` in the
-    buffer's dtype (0 live, -inf dead); ``length`` rows are in use.
+    buffer's dtype (0 live, -inf dead).
     """
 
     def __init__(self, layout: KVLayout, *, dtype: torch.dtype, device: torch.device | str,
@@ -42,7 +42,6 @@ class AssemblyBuffer:
         self.layout = layout
         self.dtype = dtype
         self.device = torch.device(device)
-        self.length = 0
         self.allocations = 0
         self._resident: dict[int, Placement] = {}
         self.data = self._alloc_data(0)

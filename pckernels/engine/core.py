@@ -19,7 +19,7 @@ from pckernels.engine.plan import CachedPlan, module_scope, plan_cached, plan_re
 from pckernels import ops
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
-from pckernels.errors import PMLError
+from pckernels.errors import PMLError, PMLPromptTooLongError
 from pckernels.integration.adapters import AttentionSpec, ModelAdapter, adapter_for
 from pckernels.integration.identity import model_fingerprint, weight_files
 from pckernels.pml import parse_prompt, parse_schema
@@ -340,8 +340,7 @@ class PromptCache:
         limit = self.adapter.max_positions()
         last_pos = max(resolved.position_ids) if mode != "baseline" else len(resolved.token_ids) - 1
         if limit is not None and last_pos + 1 >= limit:
-            raise PMLError(f"the prompt reaches position {last_pos}, leaving no room to generate within the "
-                           f"model's {limit} positions")
+            raise PMLPromptTooLongError(last_pos, limit)
         if mode == "baseline" and recompute:
             raise ValueError("recompute applies to the cached and reference modes, not baseline")
         recomputed = select_recompute(resolved, recompute, recompute_policy,

@@ -9,7 +9,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
+from pckernels.pml.model import ResolvedPrompt, Schema
 
 
 def scaffold_variants(prompt: ResolvedPrompt) -> dict[str, str]:

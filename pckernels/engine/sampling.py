@@ -24,7 +24,7 @@ def select_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+def make_generator(seed: int | None) -> torch.Generator | None:
     """A seeded CPU generator for reproducible sampling (the same draws on every device; CUDA
     logits are moved to it in ``select_token``), or ``None`` for the global RNG."""
     if seed is None:

@@ -27,7 +27,8 @@ import torch
 from pckernels.integration.identity import model_fingerprint
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
-from pckernels.errors import UnsupportedModelError
+from pckernels.errors import PromptTooLongError, UnsupportedModelError
+from pckernels.integration.adapters import ModelAdapter, adapter_for
 from pckernels.prefix.blocks import BlockStore, CachedEntry, block_keys, prompt_end_key
 from pckernels.prefix.prompts import Prompt, encode_prompt
 from pckernels.prefix.spill import BlockSpill
@@ -56,6 +57,16 @@ class _Prefill:
     cached_tokens: int
 
 
+def _max_positions(model) -> int | None:
+    """The positions ``model`` takes: its adapter's ``max_positions()`` (the base adapter's for
+    families promptcache has no adapter for, such as recurrent models)."""
+    try:
+        adapter = adapter_for(model)
+    except UnsupportedModelError:
+        adapter = ModelAdapter(model)
+    return adapter.max_positions()
+
+
 class _Hold:
     """The store entry a running request keeps from eviction (``None`` before it holds one)."""
 
@@ -80,6 +91,9 @@ class PrefixCache:
     snapshots do not fit that layout): those entries are dropped on eviction. ``clear`` drops
     without spilling.
 
+    ``max_positions``: the positions the model takes (``None``: no limit); prompts must leave one
+    to generate at.
+
     Construction runs a small self-check on random tokens: a chunked prefill must agree with a
     one-pass prefill (the model really continues from its cached state), and a prefill resumed
     from restored states, plus a decode step, must be bitwise equal to the uninterrupted one.
@@ -97,6 +111,7 @@ class PrefixCache:
         self.block_size = block_size
         self.chunk_size = chunk_size
         self.device = next(model.parameters()).device
+        self.max_positions = _max_positions(model)
         self._states = CacheStates(model)
         self.spill: BlockSpill | None = None
         self._store = BlockStore(budget_bytes, on_evict=self._spill_evicted)
@@ -142,16 +157,20 @@ class PrefixCache:
         """Generate up to ``max_new_tokens`` after ``prompt`` (text, token ids or chat messages).
 
         With ``reuse`` the longest stored prefix is restored and the rest computed; without it
-        the prompt is computed in the same chunks and nothing is looked up or stored.
+        the prompt is computed in the same chunks and nothing is looked up or stored. Raises
+        :class:`~pckernels.errors.PromptTooLongError` when the prompt fills ``max_positions``;
+        generation stops (``finish_reason="length"``) at the last position.
         """
         started = time.perf_counter()
         prompt_ids = encode_prompt(self.tokenizer, prompt)
+        if self.max_positions is not None and len(prompt_ids) >= self.max_positions:
+            raise PromptTooLongError(len(prompt_ids) - 1, self.max_positions)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         use_store = reuse and self.refusal is None
         with torch.no_grad():
             prefill = self._prefill_reusing(prompt_ids, ids) if use_store else self._prefill_uncached(ids)
             first_logits = prefill.logits.float()
-            generator = make_generator(seed, self.device)
+            generator = make_generator(seed)
             token = select_token(first_logits, temperature=temperature, top_p=top_p, generator=generator)
             ttft = time.perf_counter() - started
             tokens, finish_reason = self._decode(prefill.cache, token, len(prompt_ids), max_new_tokens,
@@ -355,10 +374,11 @@ class PrefixCache:
                 if done:
                     finish_reason = reason
                     break
-            if step + 1 == max_new_tokens:
+            position = num_prompt_tokens + step
+            if step + 1 == max_new_tokens or (self.max_positions is not None and position >= self.max_positions):
                 break
             step_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            logits = self._forward(cache, step_ids, num_prompt_tokens + step)
+            logits = self._forward(cache, step_ids, position)
             token = select_token(logits.float(), temperature=temperature, top_p=top_p, generator=generator)
         return tokens, finish_reason
 
