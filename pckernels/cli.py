@@ -39,7 +39,8 @@ def demo(model: str = typer.Option("smollm2", help="Model name or path."),
          max_new_tokens: int = typer.Option(32, help="Tokens to generate per answer."),
          device: Optional[str] = typer.Option(None, help="cpu, cuda, … (default: best available)."),
          dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16.")) -> None:
-    """Run the shipped city-guide schema in baseline and cached mode and compare."""
+    """Run the shipped city-guide schema in baseline and cached mode and compare; exits 1 if a
+    cached answer differs from the reference forward (the exactness oracle)."""
     check_model_options(model, device, dtype)
     demo_dir = resources.files("pckernels") / "data" / "demo"
     cache = load_engine(model, device, dtype)
@@ -52,7 +53,7 @@ def demo(model: str = typer.Option("smollm2", help="Model name or path."),
                                f"{cache.dtype})"))
     for col in ("prompt", "cached", "computed", "TTFT baseline", "TTFT cached", "speedup", "= reference", "= baseline"):
         table.add_column(col, justify="left" if col == "prompt" else "right")
-    answers = []
+    answers, mismatched = [], []
     for item in prompts:
         base = cache.generate(item["prompt"], mode="baseline", max_new_tokens=max_new_tokens)
         ref = cache.generate(item["prompt"], mode="reference", max_new_tokens=max_new_tokens)
@@ -63,10 +64,14 @@ def demo(model: str = typer.Option("smollm2", help="Model name or path."),
                       "yes" if cached.token_ids == ref.token_ids else "NO",
                       "yes" if cached.token_ids == base.token_ids else "differs")
         answers.append((item["name"], cached.text, base.text))
+        if cached.token_ids != ref.token_ids:
+            mismatched.append(item["name"])
     console.print(table)
     for name, cached_text, base_text in answers:
         console.print(f"[bold]{escape(name)}[/bold]\n  cached:   {escape(cached_text.strip())}\n"
                       f"  baseline: {escape(base_text.strip())}")
+    if mismatched:
+        fail(f"cached answers differ from the reference forward for: {', '.join(mismatched)}", code=1)
 
 
 @app.command()

@@ -190,3 +190,23 @@ def test_encode_says_when_nothing_could_be_kept_on_disk(model_dir, tmp_path, mon
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert result.output.strip().splitlines()[-1].startswith("error: nothing kept on disk: cannot write block")
     assert "File too large" in result.output
+
+
+def test_demo_fails_when_a_cached_answer_differs_from_the_reference(model_dir, cache_dir, monkeypatch):
+    """The demo is also CI's smoke test of the first README command: a cached answer that is not
+    the reference forward's must end it with status 1, naming the prompt."""
+    generate = PromptCache.generate
+
+    def off_by_one(self, prompt, *args, mode="cached", **kwargs):
+        result = generate(self, prompt, *args, mode=mode, **kwargs)
+        if mode == "cached":
+            result = dataclasses.replace(result, token_ids=[t + 1 for t in result.token_ids])
+        return result
+
+    monkeypatch.setattr(PromptCache, "generate", off_by_one)
+    result = CliRunner().invoke(app, ["demo", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1"])
+    assert result.exit_code == 1, result.output
+    assert "differ from the reference" in result.output
+    monkeypatch.setattr(PromptCache, "generate", generate)
+    result = CliRunner().invoke(app, ["demo", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1"])
+    assert result.exit_code == 0, result.output
