@@ -8,7 +8,6 @@ N(0, 0.3) so that attention is far from uniform and masking mistakes show in the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import transformers

@@ -3,7 +3,6 @@
 import re
 from pathlib import Path
 
-import pytest
 
 from pckernels.engine import PromptCache
 from test_engine import tiny_llama, tokenizer  # noqa: F401  (tokenizer is a fixture)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -15,7 +14,7 @@ from transformers import DynamicCache
 from pckernels.engine.buffer import AssemblyBuffer, BufferCache, Placement
 from pckernels.engine.deviation import DeviationScores
 from pckernels.engine.options import check_load_options, resolve_device, resolve_dtype
-from pckernels.engine.plan import CachedPlan, module_scope, plan_cached, plan_reference, select_recompute
+from pckernels.engine.plan import CachedPlan, plan_cached, plan_reference, select_recompute
 from pckernels import ops
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
@@ -23,7 +22,7 @@ from pckernels.errors import PMLError, PMLPromptTooLongError
 from pckernels.integration.adapters import AttentionSpec, ModelAdapter, adapter_for
 from pckernels.integration.identity import model_fingerprint, weight_files
 from pckernels.pml import parse_prompt, parse_schema
-from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
+from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
 from pckernels.store import BlockKey, BlockKeys, TieredStore, default_store_dir, parse_budgets
 

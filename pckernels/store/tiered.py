@@ -27,7 +27,6 @@ import math
 import numbers
 import os
 import re
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
