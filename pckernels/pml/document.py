@@ -247,13 +247,3 @@ def element_content(element: etree._Element) -> list[TextPart | etree._Element]:
             last.text += child.tail or ""
     return parts
 
-
-def preserves_space(element: etree._Element) -> bool:
-    """Whether ``xml:space="preserve"`` is in effect for the element (inherited)."""
-    node: etree._Element | None = element
-    while node is not None:
-        value = node.get(XML_SPACE)
-        if value is not None:
-            return value == "preserve"
-        node = node.getparent()
-    return False
