@@ -166,7 +166,13 @@ def test_len_beyond_position_limit():
     text = ('<schema name="s"><module name="m"><param name="p" len="600"/>'
             '<param name="q" len="600"/></module></schema>')
     error = schema_error(text, limits=Limits(max_positions=1000))
-    assert "parameter 'q' ends at position 1200" in error.message
+    assert "parameters up to 'q' reserve 1200 positions in all, more than 1000" in error.message
+    text = ('<schema name="s"><module name="m">' + "x" * 500 + '<param name="q" len="600"/>'
+            "</module></schema>")
+    error = schema_error(text, limits=Limits(max_positions=1000))
+    assert ("parameter 'q' of module 'm' ends at position 1100, past the limit of 1000 "
+            "positions (Limits.max_positions)") in error.message
+    assert (error.line, error.column) == (1, 535)
 
 
 def test_invalid_encodings():

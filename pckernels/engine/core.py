@@ -147,7 +147,6 @@ class PromptCache:
         previous = self.schemas.get(schema.name)
         if previous is not None and previous.digest == schema.digest:
             return previous
-        _check_scaffolds(schema)
         self._encode_schema(schema, progress=progress)
         self.schemas[schema.name] = schema
         return schema
@@ -469,13 +468,14 @@ def _drain(run) -> GenerationResult:
             return done.value
 
 
-def _read_source(text_or_path: str | os.PathLike) -> tuple[str, Path | None]:
-    """Schema text and its base directory (for ``src=``); accepts PML text or a file path."""
+def _read_source(text_or_path: str | os.PathLike) -> tuple[str | bytes, Path | None]:
+    """Schema text (a file's raw bytes, decoded by the PML layer) and its base directory (for
+    ``src=``); accepts PML text or a file path."""
     if isinstance(text_or_path, os.PathLike) or (
             isinstance(text_or_path, str) and "<" not in text_or_path and len(text_or_path) < 4096):
         path = Path(text_or_path)
         try:
-            return path.read_text(encoding="utf-8"), path.resolve().parent
+            return path.read_bytes(), path.resolve().parent
         except OSError as exc:
             raise PMLError(f"cannot read schema file {str(path)!r}: {exc.strerror or exc}") from None
     return str(text_or_path), None
@@ -487,15 +487,3 @@ def _union_siblings(schema: Schema, blocks: list[tuple[str, str]]) -> list[str]:
     unions = {schema.modules[m].union for m in used} - {None}
     return [m for u in sorted(unions) for m in schema.unions.get(u, ()) if m not in used]
 
-
-def _check_scaffolds(schema: Schema) -> None:
-    """A scaffold's members must share a parent and have no child modules: their joint states
-    replace the individual ones, and a child's cached states depend on its parent's."""
-    for scaffold in schema.scaffolds.values():
-        parents = {schema.modules[m].parent for m in scaffold.members}
-        if len(parents) > 1:
-            raise PMLError(f"scaffold {scaffold.name!r}: members must share one parent, got {sorted(map(str, parents))}")
-        for m in scaffold.members:
-            if schema.modules[m].children:
-                raise PMLError(f"scaffold {scaffold.name!r}: member {m!r} contains nested modules; "
-                               "scaffold members must be leaf modules")

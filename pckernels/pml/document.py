@@ -142,8 +142,12 @@ def read_document(text: str | bytes, limits: Limits, *, label: str | None = None
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise PMLError(f"{kind} input is not valid UTF-8 ({exc.reason} at byte {exc.start})",
-                           line=1, column=1, source=label) from None
+            before = text[:exc.start]
+            line_start = before.rfind(b"\n") + 1
+            column = len(before[line_start:].decode("utf-8")) + 1
+            raise PMLError(f"{kind} input is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
+                           "PML is read as UTF-8: save the file as UTF-8",
+                           line=before.count(b"\n") + 1, column=column, source=label) from None
     if not isinstance(text, str):
         raise PMLError(f"{kind} input must be str or bytes, not {type(text).__name__}",
                        line=None, column=None, source=label)
@@ -237,13 +241,22 @@ def element_content(element: etree._Element) -> list[TextPart | etree._Element]:
     are present (possibly empty) before, between and after child elements.
     """
     parts: list[TextPart | etree._Element] = [TextPart(element.text or "", element, False)]
+    pieces: list[str] = []
     for child in element:
         if isinstance(child.tag, str):
+            _join_pieces(parts[-1], pieces)
             parts.append(child)
             parts.append(TextPart(child.tail or "", child, True))
-        else:
-            last = parts[-1]
-            assert isinstance(last, TextPart)
-            last.text += child.tail or ""
+        elif child.tail:
+            pieces.append(child.tail)
+    _join_pieces(parts[-1], pieces)
     return parts
+
+
+def _join_pieces(part: TextPart | etree._Element, pieces: list[str]) -> None:
+    """Append the tails of the comments after ``part`` in one join (linear in their size)."""
+    if pieces:
+        assert isinstance(part, TextPart)
+        part.text = "".join([part.text, *pieces])
+        pieces.clear()
 

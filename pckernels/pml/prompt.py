@@ -33,9 +33,17 @@ from pckernels.pml.tokens import encode_batch
 
 @dataclass
 class _TextRun:
-    text: str
+    """A run of prompt text, kept as pieces until it is read (so appending stays linear)."""
+
+    pieces: list[str]
     offset: int | None
     ids: tuple[int, ...] = ()
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) != 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0]
 
 
 @dataclass
@@ -82,9 +90,9 @@ class _PromptReader:
 
     def _add_text(self, text: str, offset: int | None) -> None:
         if self.stream and isinstance(self.stream[-1], _TextRun):
-            self.stream[-1].text += text
+            self.stream[-1].pieces.append(text)
         else:
-            self.stream.append(_TextRun(text, offset))
+            self.stream.append(_TextRun([text], offset))
 
     def _content(self, element: Any, preserve: bool, *, in_role: bool) -> None:
         for part in text_runs(element, preserve, lambda _: False):
