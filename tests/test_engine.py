@@ -75,7 +75,8 @@ PROMPTS = {
                    '<user>And food?</user><assistant/></prompt>',
     "scaffold-all": '<prompt schema="guide"><fact-a/><fact-b/><user>When does the blue door open?</user>'
                     '<assistant/></prompt>',
-    "scaffold-by-name": '<prompt schema="guide"><pair/><user>Which door?</user><assistant/></prompt>',
+    "scaffold-all": '<prompt schema="guide"><fact-b/><fact-a/><user>When does the blue door open?</user>'
+                    '<assistant/></prompt>',
     "scaffold-part": '<prompt schema="guide"><fact-b/><user>Which door?</user><assistant/></prompt>',
     "everything": '<prompt schema="guide"><intro/><tokyo/><plan duration="7" who="2"><budget amount="50"/>'
                   '<food/></plan><fact-a/><fact-b/><user>Summarise.</user><assistant/></prompt>',
@@ -98,6 +99,40 @@ def test_cached_matches_reference(cache, schema, name):
     assert got.token_ids == ref.token_ids
     assert got.cached_tokens + got.computed_tokens <= len(got.prompt_token_ids)
     assert got.first_logits.dtype == torch.float32 and got.first_logits.shape == (len(cache.tokenizer),)
+
+
+SHUFFLED = {
+    # Imports out of schema order (the paper's §3.4: positions come from the schema) -> the same
+    # prompt in schema order when there is one.
+    "everything": '<prompt schema="guide"><fact-b/><plan duration="7" who="2"><food/><budget amount="50"/></plan>'
+                  '<tokyo/><fact-a/><intro/><user>Summarise.</user><assistant/></prompt>',
+    "nested-some": '<prompt schema="guide"><plan duration="2" who="1"><food/></plan><intro/>'
+                   '<user>And food?</user><assistant/></prompt>',
+    "scaffold-all": '<prompt schema="guide"><fact-b/><fact-a/><user>When does the blue door open?</user>'
+                    '<assistant/></prompt>',
+    "text-between": '<prompt schema="guide"><fact-b/><tokyo/><plan duration="3" who="two"><food/></plan> Facts follow.'
+                    '<module name="intro"/><user>Go.</user><assistant/></prompt>',
+    "scaffold-then-union": '<prompt schema="guide"><pair/><paris/><intro/><user>Which door?</user><assistant/></prompt>',
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHUFFLED))
+def test_imports_in_any_order_cached_matches_reference(cache, schema, name):
+    ref = cache.generate(SHUFFLED[name], mode="reference", max_new_tokens=NEW_TOKENS)
+    got = cache.generate(SHUFFLED[name], mode="cached", max_new_tokens=NEW_TOKENS)
+    assert got.prompt_token_ids == ref.prompt_token_ids and got.positions == ref.positions
+    assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
+    assert got.token_ids == ref.token_ids
+    if name in PROMPTS:
+        ordered = cache.generate(PROMPTS[name], mode="cached", max_new_tokens=NEW_TOKENS)
+        assert got.prompt_token_ids == ordered.prompt_token_ids and got.positions == ordered.positions
+        assert torch.equal(got.first_logits, ordered.first_logits) and got.token_ids == ordered.token_ids
+
+
+def test_importing_a_module_twice_is_refused(cache, schema):
+    with pytest.raises(PMLError, match="module 'intro' is imported twice") as info:
+        cache.generate('<prompt schema="guide"><intro/><paris/><intro/><user>Hi</user></prompt>')
+    assert (info.value.line, info.value.column) == (1, 40)
 
 
 def test_cached_counts_tokens(cache, schema):

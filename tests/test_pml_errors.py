@@ -228,7 +228,7 @@ def test_failed_parse_changes_no_state():
     before = parse_prompt(text, schemas)
     snapshot = copy.deepcopy((SCHEMA.modules, SCHEMA.layout, SCHEMA.unions, SCHEMA.scaffolds,
                               SCHEMA.length, SCHEMA.digest))
-    for bad in ('<prompt schema="s"><a p="xyz"/></prompt>', '<prompt schema="s"><b/><a/></prompt>',
+    for bad in ('<prompt schema="s"><a p="xyz"/></prompt>', '<prompt schema="s"><b/><b/></prompt>',
                 '<prompt schema="s"><zz/></prompt>', "<prompt"):
         with pytest.raises(PMLError):
             parse_prompt(bad, schemas)

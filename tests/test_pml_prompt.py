@@ -144,10 +144,28 @@ def test_param_buffer_is_how_to_make_room():
     assert seg("argument", "Is it long?", 4, "ask", "buffer") in p.segments
 
 
-def test_imports_must_follow_schema_order():
-    with pytest.raises(PMLError, match=r"module 'sys' \(positions 0-15\) cannot come after "
-                                       r"module 'trip'.*schema order"):
-        prompt("<trip/><sys/>")
+def test_imports_in_any_order_sit_at_their_schema_positions():
+    ordered = prompt('<sys/><trip duration="3 days"/><paris/><q/> What now?')
+    for body in ('<paris/><q/><trip duration="3 days"/><sys/> What now?',
+                 '<q/><sys/><paris/><trip duration="3 days"/> What now?'):
+        shuffled = prompt(body)
+        assert shuffled.segments == ordered.segments
+        assert shuffled.modules == ordered.modules == (ROOT, "sys", "trip", "paris", "q")
+        assert shuffled.arguments == ordered.arguments
+
+
+def test_text_between_out_of_order_imports_follows_the_import_before_it():
+    p = prompt("<paris/> hi <sys/> yo <r/>")
+    assert seg("text", "hi", 53) in p.segments
+    assert seg("text", "yo", 16) in p.segments
+    p = prompt("<trip/> a <sys/> b")
+    assert seg("text", "a", 37) in p.segments and seg("text", "b", 81) in p.segments
+    with pytest.raises(PMLError, match=r"text after module 'q' needs 2 positions but only 0 are "
+                                       r"free at 81 before the end of the schema"):
+        prompt("<r/><q/> hi <sys/>")
+    with pytest.raises(PMLError, match=r"text after module 'q' needs 2 positions but only 0 are "
+                                       r"free at 76 before module 'r'"):
+        prompt("<q/> hi <r/><sys/>")
 
 
 def test_two_members_of_one_union_are_refused():
@@ -210,9 +228,12 @@ def test_nested_module_imported_at_top_level_gets_a_hint():
         prompt("<c/>", {"n": NESTED}, "n")
 
 
-def test_nested_imports_follow_schema_order():
-    with pytest.raises(PMLError, match="cannot come after module 'p/d'"):
-        prompt("<p><d/><c/></p>", {"n": NESTED}, "n")
+def test_nested_imports_in_any_order():
+    ordered = prompt('<p><c/><d x="1"/></p><z/>', {"n": NESTED}, "n")
+    for body in ('<z/><p><d x="1"/><c/></p>', '<module name="p/d" x="1"/><z/><p><c/></p>'):
+        assert prompt(body, {"n": NESTED}, "n").segments == ordered.segments
+    with pytest.raises(PMLError, match="'p/d' is imported twice"):
+        prompt('<p><d/></p><module name="p/d"/>', {"n": NESTED}, "n")
 
 
 def test_text_inside_an_import_is_refused():

@@ -1,12 +1,17 @@
 """Prompt resolution: PML prompt text + schemas -> ``ResolvedPrompt``.
 
+Imports may come in any order: every module sits at its schema positions whatever the order
+it is imported in (the paper's §3.4: "the order of concatenation does not matter").
+
 Text placement rule (uncached text is never dropped):
 
 * Text after the last import starts at ``Schema.length`` and continues contiguously.
-* Text before or between imports starts right after the preceding imported element
-  (the cursor; anonymous schema text counts as imported) and must end before the next
-  imported element starts. If it does not fit, ``PMLError`` says how many positions are
-  missing and how to declare room (a ``<param>`` buffer in the schema).
+* Text before or between imports starts right after the import written before it (the end
+  of that import's span, or position 0 for text before the first import), skipping tokens
+  already there that the prompt imports earlier (anonymous schema text counts as imported)
+  and text placed earlier, and must end before the next imported token or placed text. If it
+  does not fit, ``PMLError`` says how many positions are missing and how to declare room (a
+  ``<param>`` buffer in the schema).
 """
 
 from __future__ import annotations
@@ -261,8 +266,12 @@ def _runs(module: Module) -> list[tuple[int, int]]:
     return runs
 
 
+_PLACED = "@text"
+"""Owner of positions taken by text placed earlier in the prompt (not a valid module name)."""
+
+
 class _Placer:
-    """Checks import order and places uncached text (pass 3)."""
+    """Places uncached text (pass 3)."""
 
     def __init__(self, source: Source, schema: Schema, imported: list[str],
                  limits: Limits) -> None:
@@ -279,26 +288,14 @@ class _Placer:
         self.segments: list[Segment] = []
 
     def _owner(self, name: str) -> str:
+        if name == _PLACED:
+            return "text placed earlier"
         return "the schema's anonymous text" if name == ROOT else f"module {name!r}"
-
-    def check_order(self, node: _Import, cursor: int, previous: str | None) -> int:
-        if node.start < cursor:
-            after = f" after {previous}" if previous else ""
-            raise self.source.error(
-                f"{node.label} ({_span_label(node.start, node.end)}) cannot come{after} "
-                f"(the prompt is already at position {cursor}); list imports in schema order",
-                node.element)
-        inner = node.start
-        inner_previous = None
-        for child in node.children:
-            inner = self.check_order(child, inner, inner_previous)
-            inner_previous = child.label
-        return node.end
 
     def place(self, run: _TextRun, cursor: int, done: set[str], previous: str | None,
               following: str) -> int:
-        """Place text that precedes an import: from the cursor, past anything already
-        imported there, up to the next imported token."""
+        """Place text that precedes an import: from the cursor (the end of the import written
+        before it), past what is already there, up to the next imported token or placed text."""
         count = len(run.ids)
         position = cursor
         index = max(bisect.bisect_right(self.starts, position) - 1, 0)
@@ -306,7 +303,7 @@ class _Placer:
             start, end, owner = self.occupied[index]
             if start > position:
                 break
-            if end > position and owner in done:
+            if end > position and (owner in done or owner == _PLACED):
                 position = end
             index += 1
         limit, blocker = self.schema.length, "the end of the schema"
@@ -323,6 +320,10 @@ class _Placer:
                 "pass the text as that parameter's argument, or move the text after the last "
                 "import", offset=run.offset)
         self.segments.append(Segment("text", run.ids, tuple(range(position, position + count))))
+        if count:
+            entry = (position, position + count, _PLACED)
+            bisect.insort(self.occupied, entry)
+            self.starts.insert(bisect.bisect_left(self.occupied, entry), position)
         return position + count
 
     def place_trailing(self, run: _TextRun, position: int) -> int:
@@ -447,7 +448,7 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
     done = {ROOT}
     for index, item in enumerate(reader.stream):
         if isinstance(item, _Import):
-            cursor = placer.check_order(item, cursor, previous)
+            cursor = item.end
             previous = item.label
             for node in _flatten_import(item):
                 done.update(node.modules)
