@@ -211,9 +211,19 @@ def test_bad_prompt_raises_and_cache_stays_usable(cache, schema, bad, match):
     assert torch.equal(after.first_logits, before.first_logits)
 
 
-def test_prompt_without_uncached_tokens_is_refused(cache, schema):
-    with pytest.raises(PMLError, match="uncached"):
-        cache.generate('<prompt schema="guide"><intro/></prompt>')
+@pytest.mark.parametrize("body, module, column", [
+    ("<intro/>", "intro", 24),
+    # The argument is computed, but the module's cached text after it comes last: answering from
+    # the argument's states used to differ from the reference by O(1) in the first logits.
+    ('<user>Plan:</user>\n<plan duration="3" who="two"/>', "plan", 1),
+])
+def test_prompt_ending_with_a_cached_token_is_a_located_error(cache, schema, body, module, column):
+    for mode in ("cached", "reference"):
+        with pytest.raises(PMLError, match=f"the prompt ends with module '{module}': its last token "
+                                           r"\(position \d+\) is cached") as info:
+            cache.generate(f'<prompt schema="guide">{body}</prompt>', mode=mode, max_new_tokens=1)
+        assert (info.value.line, info.value.column) == (body.count("\n") + 1, column)
+    assert cache.generate(f'<prompt schema="guide">{body}</prompt>', mode="baseline", max_new_tokens=1).token_ids
 
 
 def test_streaming_yields_the_generated_text(cache, schema):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pckernels.pml import ROOT, PMLError, Segment, parse_prompt, parse_schema
+from pckernels.pml import ROOT, PMLError, Segment, check_answerable, parse_prompt, parse_schema
 from pml_tokenizers import byte_tokenizer, decode, ids
 
 TOK = byte_tokenizer()
@@ -304,3 +304,22 @@ def test_segments_cover_every_token_sorted():
 
 def test_schema_given_directly():
     assert prompt("<sys/>", TRAVEL).modules == (ROOT, "sys")
+
+
+def test_check_answerable_locates_what_comes_last():
+    check_answerable(prompt("<trip/> go"))
+    check_answerable(prompt('<r extra="ab"/>'))
+    with pytest.raises(PMLError, match="ends with module 'paris'") as info:
+        check_answerable(prompt("<sys/>\n <paris/>"))
+    assert (info.value.line, info.value.column) == (2, 2)
+    with pytest.raises(PMLError, match="ends with module 'trip'") as info:
+        check_answerable(prompt('<trip duration="x"/>'))
+    check_answerable(prompt("<q/>"), baseline=True)
+    bare = parse_schema('<schema name="b"><module name="m">m</module></schema>', TOK)
+    empty = parse_prompt('<prompt schema="b"/>', bare, label="p.xml")
+    with pytest.raises(PMLError, match=r"^p.xml: line 1, column 1: the prompt has no tokens"):
+        check_answerable(empty, baseline=True)
+    with pytest.raises(PMLError, match="ends with the schema's anonymous text") as info:
+        check_answerable(parse_prompt('<prompt schema="a"><m/></prompt>', parse_schema(
+            '<schema name="a"><module name="m">m</module>Answer:</schema>', TOK)))
+    assert (info.value.line, info.value.column) == (1, 1)

@@ -21,7 +21,7 @@ from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
 from pckernels.errors import PMLError
 from pckernels.integration.adapters import AttentionSpec, ModelAdapter, adapter_for
-from pckernels.pml import parse_prompt, parse_schema
+from pckernels.pml import check_answerable, parse_prompt, parse_schema
 from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
 from pckernels.store import BlockKey, BlockKeys, TieredStore, default_store_dir
@@ -331,8 +331,7 @@ class PromptCache:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         resolved = self.resolve(prompt)
-        if not resolved.token_ids:
-            raise PMLError("the prompt has no tokens; import a module or add text")
+        check_answerable(resolved, baseline=mode == "baseline")
         limit = self.adapter.max_positions()
         last_pos = max(resolved.position_ids) if mode != "baseline" else len(resolved.token_ids) - 1
         if limit is not None and last_pos + 1 >= limit:
@@ -379,9 +378,6 @@ class PromptCache:
 
     def _prefill_cached(self, resolved: ResolvedPrompt, max_new_tokens: int, recomputed=frozenset()):
         plan: CachedPlan = plan_cached(resolved, recomputed)
-        if len(plan.new_tokens) == len(recomputed):
-            raise PMLError("the prompt has no uncached tokens after its last module; add text (for example "
-                           "<user>…</user><assistant/>) so the model has something to answer")
         buf = self.buffer
         buf.ensure_capacity(plan.rows + max_new_tokens)
         self._place_blocks(buf, resolved.schema, [(b.module, b.scaffold) for b in plan.blocks], start_row=0)

@@ -147,6 +147,8 @@ class ResolvedPrompt:
     filled in; an empty tuple when no argument and no default).
     ``segments``: every token of the prompt, sorted by position (slots before the
     argument at the same position).
+    ``locations``: ``module -> (line, column)`` of the element that imports it (``ROOT``: the
+    ``<prompt>`` tag), so later checks can locate their errors; ``label`` names the source.
     """
 
     schema: Schema
@@ -155,6 +157,8 @@ class ResolvedPrompt:
     arguments: dict[tuple[str, str], tuple[int, ...]]
     segments: tuple[Segment, ...]
     source: str | None = None
+    locations: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    label: str | None = None
 
     def live_segments(self) -> tuple[Segment, ...]:
         """Segments whose tokens make up the prompt as the model reads it (no slots)."""

@@ -469,7 +469,45 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
     scaffolds = tuple(name for name, scaffold in schema.scaffolds.items()
                       if all(m in imported_set for m in scaffold.members))
     return ResolvedPrompt(schema=schema, modules=tuple(imported), scaffolds=scaffolds,
-                          arguments=arguments, segments=tuple(segments), source=source.text)
+                          arguments=arguments, segments=tuple(segments), source=source.text,
+                          locations=_locations(source, imports), label=label)
+
+
+def _locations(source: Source, imports: list[_Import]) -> dict[str, tuple[int | None, int | None]]:
+    """``module -> (line, column)`` of the element importing it; ``ROOT`` -> the ``<prompt>`` tag."""
+    def where(element: Any) -> tuple[int | None, int | None]:
+        offset = source.element_offset(element)
+        return source.location(offset) if offset is not None else (element.sourceline, None)
+
+    out = {ROOT: where(source.root)}
+    for node in imports:
+        for name in (*node.modules, *node.implied):
+            out.setdefault(name, where(node.element))
+    return out
+
+
+def check_answerable(prompt: ResolvedPrompt, *, baseline: bool = False) -> None:
+    """Refuse, located in the prompt's source, a prompt the engine cannot answer: one without
+    tokens, or — in cached and reference modes (not ``baseline``) — one whose last token (the
+    highest position) is cached. The next token is predicted from the last token's fresh
+    states; a cached token's states come from the store and were encoded without the rest of
+    the prompt, so text (or an argument) must come last."""
+    live = prompt.live_segments()
+    if not live:
+        line, column = prompt.locations.get(ROOT, (None, None))
+        raise PMLError("the prompt has no tokens; import a module or add text", line=line,
+                       column=column, source=prompt.label)
+    if baseline:
+        return
+    last = max(live, key=lambda s: s.position_ids[-1])
+    if last.kind == "cached":
+        line, column = prompt.locations.get(last.module, (None, None))
+        owner = "the schema's anonymous text" if last.module == ROOT else f"module {last.module!r}"
+        raise PMLError(f"the prompt ends with {owner}: its last token (position "
+                       f"{last.position_ids[-1]}) is cached, and a cached token's states cannot "
+                       "predict what follows; add text after the last import (for example "
+                       "<user>…</user><assistant/>) so the model has something to answer",
+                       line=line, column=column, source=prompt.label)
 
 
 def _flatten(stream: list[Any]):
