@@ -75,8 +75,7 @@ PROMPTS = {
                    '<user>And food?</user><assistant/></prompt>',
     "scaffold-all": '<prompt schema="guide"><fact-a/><fact-b/><user>When does the blue door open?</user>'
                     '<assistant/></prompt>',
-    "scaffold-all": '<prompt schema="guide"><fact-b/><fact-a/><user>When does the blue door open?</user>'
-                    '<assistant/></prompt>',
+    "scaffold-by-name": '<prompt schema="guide"><pair/><user>Which door?</user><assistant/></prompt>',
     "scaffold-part": '<prompt schema="guide"><fact-b/><user>Which door?</user><assistant/></prompt>',
     "everything": '<prompt schema="guide"><intro/><tokyo/><plan duration="7" who="2"><budget amount="50"/>'
                   '<food/></plan><fact-a/><fact-b/><user>Summarise.</user><assistant/></prompt>',
