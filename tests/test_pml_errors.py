@@ -74,7 +74,6 @@ SCHEMA_ERRORS = [
     ('<schema name="s"><module name="m" lang="en">x</module></schema>',
      "<module> has no attribute 'lang'; expected: name, src", 1, 18),
     ('<schema name="s">  <!-- nothing -->  </schema>', "empty schema 's'", 1, 1),
-    ('<schema name="s"><module name="m">  </module></schema>', "module 'm' is empty", 1, 18),
     ('<schema name="s"><union name="u"></union></schema>', "empty <union>", 1, 18),
     ('<schema name="s"><union>\n  stray <module name="a">a</module></union></schema>',
      "text inside <union> must be inside one of its modules", 2, 3),
@@ -100,8 +99,8 @@ def test_schema_errors_are_located(text, pattern, line, column):
 
 
 def test_error_message_names_the_source_label():
-    with pytest.raises(PMLError, match=r"^travel.pml: line 1, column 18: module 'm' is empty"):
-        parse_schema('<schema name="s"><module name="m"/></schema>', TOK, label="travel.pml")
+    with pytest.raises(PMLError, match=r"^travel.pml: line 1, column 18: <module> has no attribute"):
+        parse_schema('<schema name="s"><module name="m" x="1"/></schema>', TOK, label="travel.pml")
 
 
 def test_doctype_is_refused_before_parsing():

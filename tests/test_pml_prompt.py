@@ -168,6 +168,18 @@ def test_text_between_out_of_order_imports_follows_the_import_before_it():
         prompt("<q/> hi <r/><sys/>")
 
 
+def test_text_never_lands_on_text_placed_earlier():
+    s = parse_schema('<schema name="e"><module name="a">aa</module><union>'
+                     '<module name="none"> </module><module name="b">bbbbbbbb</module></union>'
+                     '<module name="c">cc</module></schema>', TOK)
+    assert s.modules["none"].position_ids == () and s.modules["none"].start == 2
+    p = prompt("<a/> xy <none/> zw <c/>", {"e": s}, "e")
+    assert seg("text", "xy", 2) in p.segments and seg("text", "zw", 4) in p.segments
+    assert seg("text", "abcd", 6) in prompt("<a/> wxyz <none/> abcd <c/>", {"e": s}, "e").segments
+    with pytest.raises(PMLError, match="needs 5 positions but only 4 are free at 6 before module 'c'"):
+        prompt("<a/> wxyz <none/> abcde <c/>", {"e": s}, "e")
+
+
 def test_two_members_of_one_union_are_refused():
     with pytest.raises(PMLError, match="'miami' and 'paris' belong to the same union 'city'") as info:
         prompt("<miami/><paris/>")

@@ -184,7 +184,7 @@ class PromptCache:
 
     @torch.inference_mode()
     def _encode_schema(self, schema: Schema, *, progress: bool) -> None:
-        units: list[tuple[str, tuple[str, ...]]] = [("", (name,)) for name in schema.modules]
+        units: list[tuple[str, tuple[str, ...]]] = [("", (name,)) for name, m in schema.modules.items() if m.cached]
         units += [(s.name, s.members) for s in schema.scaffolds.values()]
         todo = [u for u in units if self._block_key(schema, u[1][0], u[0]) not in self.store]
         if not todo:

@@ -182,6 +182,9 @@ def read_document(text: str | bytes, limits: Limits, *, label: str | None = None
         line, column = exc.position if exc.position else (None, None)
         message = exc.msg or str(exc)
         message = re.sub(r", line \d+, column \d+$", "", message)
+        if "EntityRef" in message or "StartTag: invalid element name" in message:
+            message += ("; a literal & or < in text must be written &amp; or &lt; (or put the "
+                        "text in a CDATA section or a src= file)")
         raise PMLError(f"malformed XML: {message}", line=line or 1, column=column,
                        source=label) from None
     except (ValueError, etree.LxmlError) as exc:

@@ -81,6 +81,10 @@ class Module:
     start: int = 0
     length: int = 0
     """Span of the module including its children."""
+    cached: bool = True
+    """``False`` for ``cache="false"`` (and everything inside such a module): its tokens are
+    never encoded or stored; a prompt that imports it computes them in its forward, at the
+    module's positions, like uncached text."""
 
     def ancestors(self, modules: Mapping[str, "Module"]) -> tuple[str, ...]:
         """Qualified names of the enclosing modules, innermost first, ending with ``ROOT``."""

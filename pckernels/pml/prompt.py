@@ -345,15 +345,18 @@ class _Placer:
 
 def _module_segments(module: Module, arguments: dict[tuple[str, str], tuple[int, ...]]
                      ) -> list[Segment]:
-    """Cached runs, slots and arguments of one imported module."""
+    """Cached runs, slots and arguments of one imported module. An uncached module
+    (``cache="false"``) gives ``text`` runs and its arguments, and no slots: nothing cached
+    needs placeholders."""
     out: list[Segment] = []
     slots = {p.offset: p for p in module.params}
     tokens, positions = module.token_ids, module.position_ids
+    kind = "cached" if module.cached else "text"
     run_start = 0
 
     def flush(end: int) -> None:
         if end > run_start:
-            out.append(Segment("cached", tokens[run_start:end], positions[run_start:end],
+            out.append(Segment(kind, tokens[run_start:end], positions[run_start:end],
                                module=module.name))
 
     index = 0
@@ -362,8 +365,9 @@ def _module_segments(module: Module, arguments: dict[tuple[str, str], tuple[int,
         if param is not None:
             flush(index)
             end = index + param.length
-            out.append(Segment("slot", tokens[index:end], positions[index:end],
-                               module=module.name, param=param.name))
+            if module.cached:
+                out.append(Segment("slot", tokens[index:end], positions[index:end],
+                                   module=module.name, param=param.name))
             argument = arguments[(module.name, param.name)]
             if argument:
                 out.append(Segment("argument", argument,

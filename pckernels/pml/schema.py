@@ -8,6 +8,7 @@ assigns positions in document order.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,8 @@ from pckernels.pml.elements import (
 from pckernels.pml.model import ROOT, LayoutEntry, Module, Param, Scaffold, Schema
 from pckernels.pml.roles import role_format
 from pckernels.pml.tokens import encode_batch, fingerprint, placeholder_token_id, special_prefix
+
+log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = "pml-layout-1"
 """Changes whenever the same schema text could lay out differently (part of the digest)."""
@@ -65,6 +68,8 @@ class _Slot:
     default_text: str | None
     default_ids: tuple[int, ...] = ()
     element: Any = None
+    original_spelling: bool = False
+    """The default came from the original implementation's ``scaffold=``."""
 
 
 @dataclass
@@ -75,6 +80,7 @@ class _ModuleDecl:
     element: Any
     union: str | None = None
     scaffold: str | None = None
+    cached: bool = True
     items: list = field(default_factory=list)
     local_names: set[str] = field(default_factory=set)
 
@@ -137,6 +143,7 @@ class _SchemaReader:
         self.limits = limits
         self.position_limit = position_limit
         self.slot_positions = 0
+        self.union_scaffolds: list[Any] = []
         self.module_count = 0
         self.src_bytes = 0
         self.src_records: list[tuple[str, str]] = []
@@ -166,6 +173,15 @@ class _SchemaReader:
         if not any(isinstance(item, (_Text, _ModuleDecl, _UnionDecl, _ScaffoldDecl))
                    for item in scope.items):
             raise self.error(f"empty schema {name!r}: add text or <module> elements", root)
+        if self.union_scaffolds:
+            first = self.source.location(self.source.element_offset(self.union_scaffolds[0]) or 0)
+            log.warning("%sschema %r: scaffold= on %d <union> element(s) (the first at line %d, "
+                        "column %d) is accepted and ignored: promptcache encodes each module "
+                        "against its ancestors only, so no union member stands in for the chosen "
+                        "one while other text is encoded (the original implementation's meaning "
+                        "of a union without scaffold=)",
+                        f"{self.source.label}: " if self.source.label else "", name,
+                        len(self.union_scaffolds), *first)
         return name, scope
 
     def _fill(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
@@ -219,7 +235,7 @@ class _SchemaReader:
     def _module(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
                 in_scaffold: bool, union: str | None = None, scaffold: str | None = None,
                 layout_parent: str | None = None) -> _ModuleDecl:
-        values = attributes(self.source, element, ("name", "src"), ("name",))
+        values = attributes(self.source, element, ("name", "src", "cache"), ("name",))
         local = check_name(self.source, element, values["name"], "module")
         self._claim(scope, element, local, "module")
         self.module_count += 1
@@ -229,7 +245,8 @@ class _SchemaReader:
         if layout_parent is None and scope.name != ROOT:
             layout_parent = scope.name
         decl = _ModuleDecl(_qualify(scope.name, local), scope.name, layout_parent, element,
-                           union=union, scaffold=scaffold)
+                           union=union, scaffold=scaffold,
+                           cached=self._cached(scope, element, values.get("cache"), scaffold))
         preserve = space_mode(self.source, element, preserve)
         if "src" in values:
             text = self._load_src(element, values["src"])
@@ -240,10 +257,27 @@ class _SchemaReader:
         else:
             self._fill(decl, element, preserve=preserve, in_role=in_role,
                        in_scaffold=in_scaffold)
-        if not decl.items:
-            raise self.error(f"module {decl.name!r} is empty: give it text, a <param> or "
-                             "child modules", element)
         return decl
+
+    def _cached(self, scope: _ModuleDecl, element: Any, value: str | None,
+                scaffold: str | None) -> bool:
+        """Whether a module is cached: ``cache="false"`` turns it off for the module and
+        everything inside it (their states would depend on text computed per prompt)."""
+        if value is None:
+            return scope.cached
+        value = value.strip(XML_WHITESPACE)
+        if value not in ("true", "false"):
+            raise self.error(f"cache={value!r}: expected cache=\"true\" (the default) or "
+                             "cache=\"false\" (compute the module in every prompt)", element)
+        if value == "true" and not scope.cached:
+            raise self.error(f"cache=\"true\" inside module {scope.name!r}, which is not cached: "
+                             "a module inside an uncached module is computed in every prompt "
+                             "too; drop the attribute", element)
+        if value == "false" and scaffold is not None:
+            raise self.error(f"scaffold {scaffold!r}: a scaffold member cannot have "
+                             "cache=\"false\" (the members are encoded together and cached); "
+                             "move the module out of the scaffold", element)
+        return value == "true"
 
     def _load_src(self, element: Any, src: str) -> str:
         if not is_empty(element):
@@ -325,7 +359,8 @@ class _SchemaReader:
                              f"len=\"{length}\"/>", element)
         self._claim(scope, element, name, "parameter")
         default = values.get("default", values.get("scaffold"))
-        return _Slot(name, length, default or None, element=element)
+        return _Slot(name, length, default or None, element=element,
+                     original_spelling="scaffold" in values)
 
     def _members(self, scope: _ModuleDecl, element: Any, what: str, *, preserve: bool,
                  in_role: bool, in_scaffold: bool, union: str | None,
@@ -356,7 +391,9 @@ class _SchemaReader:
 
     def _union(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
                in_scaffold: bool) -> _UnionDecl:
-        values = attributes(self.source, element, ("name",))
+        values = attributes(self.source, element, ("name", "scaffold"))
+        if "scaffold" in values:
+            self.union_scaffolds.append(element)
         if "name" in values:
             name = check_name(self.source, element, values["name"], "union")
             if name in self.unions or name in self.scaffolds or name in self.top_names:
@@ -379,6 +416,10 @@ class _SchemaReader:
         if in_scaffold:
             raise self.error("scaffolds do not nest: this <scaffold> is inside another "
                              "scaffold's module", element)
+        if not scope.cached:
+            raise self.error(f"a <scaffold> cannot be inside module {scope.name!r}, which has "
+                             "cache=\"false\": scaffold members are encoded together and "
+                             "cached", element)
         values = attributes(self.source, element, ("name",), ("name",))
         name = check_name(self.source, element, values["name"], "scaffold")
         if name in self.scaffolds or name in self.unions or name in self.top_names:
@@ -574,7 +615,7 @@ class _Layout:
             name=decl.name, parent=decl.parent, token_ids=tuple(token_ids),
             position_ids=tuple(position_ids), params=tuple(params), union=decl.union,
             scaffolds=(decl.scaffold,) if decl.scaffold else (), children=tuple(children),
-            start=start, length=position - start)
+            start=start, length=position - start, cached=decl.cached)
         return position
 
     def _anonymous(self, start: int, count: int) -> None:
@@ -619,6 +660,14 @@ def parse_schema(text: str | bytes, tokenizer: Any, *, base_dir: str | os.PathLi
     items = list(_walk(root))
     slots = [item for item in items if isinstance(item, _Slot) and item.default_text]
     for slot, ids in zip(slots, encode_batch(tokenizer, [s.default_text for s in slots])):
+        if len(ids) > slot.length and slot.original_spelling:
+            line, column = source.location(source.element_offset(slot.element) or 0)
+            log.warning("%sline %d, column %d: scaffold=%r on parameter %r is %d tokens, longer "
+                        "than its length=%d; ignored, the parameter has no default (the original "
+                        "implementation refuses it too, with some tokenizers)",
+                        f"{label}: " if label else "", line, column, slot.default_text,
+                        slot.name, len(ids), slot.length)
+            continue
         if len(ids) > slot.length:
             raise source.error(f"the default of parameter {slot.name!r} is {len(ids)} tokens, "
                                f"longer than its len={slot.length}", slot.element)
