@@ -210,6 +210,21 @@ def test_bad_prompt_raises_and_cache_stays_usable(cache, schema, bad, match):
     assert torch.equal(after.first_logits, before.first_logits)
 
 
+@pytest.mark.parametrize("content, line, column, match", [
+    ('<schema name="bad">\n<module name="m">café</module></schema>'.encode("latin-1"), 2, 21, "not valid UTF-8"),
+    (b'<schema name="bad"><scaffold name="f">\n  <module name="a">a<module name="b">b</module></module>'
+     b"</scaffold></schema>", 2, 3, "member 'a' contains nested modules"),
+])
+def test_bad_schema_file_is_located_and_changes_nothing(cache, schema, tmp_path, content, line, column, match):
+    path = tmp_path / "bad.xml"
+    path.write_bytes(content)
+    before = (dict(cache.schemas), len(cache.store))
+    with pytest.raises(PMLError, match=match) as info:
+        cache.add_schema(path)
+    assert (info.value.line, info.value.column) == (line, column)
+    assert (dict(cache.schemas), len(cache.store)) == before
+
+
 @pytest.mark.parametrize("body, module, column", [
     ("<intro/>", "intro", 24),
     # The argument is computed, but the module's cached text after it comes last: answering from

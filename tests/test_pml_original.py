@@ -5,6 +5,7 @@ keep their meaning — ``<union scaffold=…>`` (accepted, ignored with a warnin
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -36,12 +37,29 @@ def test_every_original_schema_parses(path, tokenizer, caplog):
         assert "is accepted and ignored" in caplog.text
 
 
-def schemas(tokenizer) -> dict:
-    out = {}
-    for path in SCHEMA_FILES:
-        schema = parse_schema(path.read_bytes(), tokenizer)
-        out.setdefault(schema.name, schema)
-    return out
+MALFORMED = {"schema_qanda.xml", "code_generation_game.xml"}
+"""Original files that are not well-formed XML (a bare ``&`` or ``<`` in text)."""
+
+
+@pytest.mark.skipif(not os.environ.get("PROMPTCACHE_ORIGINAL_PML"),
+                    reason="set PROMPTCACHE_ORIGINAL_PML to a checkout of yale-sys/prompt-cache")
+def test_every_schema_of_an_original_checkout(tokenizer):
+    """Every ``*.xml`` under ``$PROMPTCACHE_ORIGINAL_PML`` whose root is ``<schema>`` parses,
+    except the malformed ones, which are located errors."""
+    root = Path(os.environ["PROMPTCACHE_ORIGINAL_PML"])
+    parsed = 0
+    for path in sorted(root.rglob("*.xml")):
+        data = path.read_bytes()
+        if b"<schema" not in data[:4096]:
+            continue
+        if any(path.name.endswith(name) for name in MALFORMED):
+            with pytest.raises(PMLError, match="written &amp; or &lt;") as info:
+                parse_schema(data, tokenizer)
+            assert info.value.line is not None and info.value.column is not None
+            continue
+        assert parse_schema(data, tokenizer, label=str(path)).length > 0
+        parsed += 1
+    assert parsed >= 5
 
 
 PROMPTS = {
