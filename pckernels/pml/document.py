@@ -46,7 +46,8 @@ class Limits:
     max_modules: int = 100_000
     """Modules in one schema."""
     max_positions: int = 1 << 22
-    """Positions a schema (or a prompt) may span, whatever the model allows."""
+    """Positions a schema (or a prompt) may span, whatever the model allows; also the most
+    positions all parameters of one schema may reserve together."""
 
 
 def is_valid_name(name: str) -> bool:
