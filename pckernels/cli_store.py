@@ -55,7 +55,7 @@ def encode(schema: Path = typer.Argument(..., help="Schema file to encode."),
     stats = cache.stats()
     if not stats["disk"]["enabled"]:
         fail(f"nothing kept on disk: {stats['disk']['off_reason']}", code=1)
-    units = len(parsed.modules) + sum(len(s.members) for s in parsed.scaffolds.values())
+    units = sum(m.cached for m in parsed.modules.values()) + sum(len(s.members) for s in parsed.scaffolds.values())
     console.print(escape(f"schema {parsed.name!r} on {cache.name}: {units} blocks, {stats['encodes']} encoded "
                          f"in {stats['encode_s']:.2f} s, {units - stats['encodes']} already on disk "
                          f"({seconds:.2f} s in all); {directory}"))

@@ -100,6 +100,40 @@ def test_cached_matches_reference(cache, schema, name):
     assert got.first_logits.dtype == torch.float32 and got.first_logits.shape == (len(cache.tokenizer),)
 
 
+SHUFFLED = {
+    # Imports out of schema order (the paper's §3.4: positions come from the schema) -> the same
+    # prompt in schema order when there is one.
+    "everything": '<prompt schema="guide"><fact-b/><plan duration="7" who="2"><food/><budget amount="50"/></plan>'
+                  '<tokyo/><fact-a/><intro/><user>Summarise.</user><assistant/></prompt>',
+    "nested-some": '<prompt schema="guide"><plan duration="2" who="1"><food/></plan><intro/>'
+                   '<user>And food?</user><assistant/></prompt>',
+    "scaffold-all": '<prompt schema="guide"><fact-b/><fact-a/><user>When does the blue door open?</user>'
+                    '<assistant/></prompt>',
+    "text-between": '<prompt schema="guide"><fact-b/><tokyo/><plan duration="3" who="two"><food/></plan> Facts follow.'
+                    '<module name="intro"/><user>Go.</user><assistant/></prompt>',
+    "scaffold-then-union": '<prompt schema="guide"><pair/><paris/><intro/><user>Which door?</user><assistant/></prompt>',
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHUFFLED))
+def test_imports_in_any_order_cached_matches_reference(cache, schema, name):
+    ref = cache.generate(SHUFFLED[name], mode="reference", max_new_tokens=NEW_TOKENS)
+    got = cache.generate(SHUFFLED[name], mode="cached", max_new_tokens=NEW_TOKENS)
+    assert got.prompt_token_ids == ref.prompt_token_ids and got.positions == ref.positions
+    assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
+    assert got.token_ids == ref.token_ids
+    if name in PROMPTS:
+        ordered = cache.generate(PROMPTS[name], mode="cached", max_new_tokens=NEW_TOKENS)
+        assert got.prompt_token_ids == ordered.prompt_token_ids and got.positions == ordered.positions
+        assert torch.equal(got.first_logits, ordered.first_logits) and got.token_ids == ordered.token_ids
+
+
+def test_importing_a_module_twice_is_refused(cache, schema):
+    with pytest.raises(PMLError, match="module 'intro' is imported twice") as info:
+        cache.generate('<prompt schema="guide"><intro/><paris/><intro/><user>Hi</user></prompt>')
+    assert (info.value.line, info.value.column) == (1, 40)
+
+
 def test_cached_counts_tokens(cache, schema):
     got = cache.generate(PROMPTS["params-short"], max_new_tokens=1)
     plan = schema.modules["plan"]
@@ -176,9 +210,34 @@ def test_bad_prompt_raises_and_cache_stays_usable(cache, schema, bad, match):
     assert torch.equal(after.first_logits, before.first_logits)
 
 
-def test_prompt_without_uncached_tokens_is_refused(cache, schema):
-    with pytest.raises(PMLError, match="uncached"):
-        cache.generate('<prompt schema="guide"><intro/></prompt>')
+@pytest.mark.parametrize("content, line, column, match", [
+    ('<schema name="bad">\n<module name="m">café</module></schema>'.encode("latin-1"), 2, 21, "not valid UTF-8"),
+    (b'<schema name="bad"><scaffold name="f">\n  <module name="a">a<module name="b">b</module></module>'
+     b"</scaffold></schema>", 2, 3, "member 'a' contains nested modules"),
+])
+def test_bad_schema_file_is_located_and_changes_nothing(cache, schema, tmp_path, content, line, column, match):
+    path = tmp_path / "bad.xml"
+    path.write_bytes(content)
+    before = (dict(cache.schemas), len(cache.store))
+    with pytest.raises(PMLError, match=match) as info:
+        cache.add_schema(path)
+    assert (info.value.line, info.value.column) == (line, column)
+    assert (dict(cache.schemas), len(cache.store)) == before
+
+
+@pytest.mark.parametrize("body, module, column", [
+    ("<intro/>", "intro", 24),
+    # The argument is computed, but the module's cached text after it comes last: answering from
+    # the argument's states used to differ from the reference by O(1) in the first logits.
+    ('<user>Plan:</user>\n<plan duration="3" who="two"/>', "plan", 1),
+])
+def test_prompt_ending_with_a_cached_token_is_a_located_error(cache, schema, body, module, column):
+    for mode in ("cached", "reference"):
+        with pytest.raises(PMLError, match=f"the prompt ends with module '{module}': its last token "
+                                           r"\(position \d+\) is cached") as info:
+            cache.generate(f'<prompt schema="guide">{body}</prompt>', mode=mode, max_new_tokens=1)
+        assert (info.value.line, info.value.column) == (body.count("\n") + 1, column)
+    assert cache.generate(f'<prompt schema="guide">{body}</prompt>', mode="baseline", max_new_tokens=1).token_ids
 
 
 def test_streaming_yields_the_generated_text(cache, schema):

@@ -74,7 +74,6 @@ SCHEMA_ERRORS = [
     ('<schema name="s"><module name="m" lang="en">x</module></schema>',
      "<module> has no attribute 'lang'; expected: name, src", 1, 18),
     ('<schema name="s">  <!-- nothing -->  </schema>', "empty schema 's'", 1, 1),
-    ('<schema name="s"><module name="m">  </module></schema>', "module 'm' is empty", 1, 18),
     ('<schema name="s"><union name="u"></union></schema>', "empty <union>", 1, 18),
     ('<schema name="s"><union>\n  stray <module name="a">a</module></union></schema>',
      "text inside <union> must be inside one of its modules", 2, 3),
@@ -100,8 +99,8 @@ def test_schema_errors_are_located(text, pattern, line, column):
 
 
 def test_error_message_names_the_source_label():
-    with pytest.raises(PMLError, match=r"^travel.pml: line 1, column 18: module 'm' is empty"):
-        parse_schema('<schema name="s"><module name="m"/></schema>', TOK, label="travel.pml")
+    with pytest.raises(PMLError, match=r"^travel.pml: line 1, column 18: <module> has no attribute"):
+        parse_schema('<schema name="s"><module name="m" x="1"/></schema>', TOK, label="travel.pml")
 
 
 def test_doctype_is_refused_before_parsing():
@@ -166,7 +165,13 @@ def test_len_beyond_position_limit():
     text = ('<schema name="s"><module name="m"><param name="p" len="600"/>'
             '<param name="q" len="600"/></module></schema>')
     error = schema_error(text, limits=Limits(max_positions=1000))
-    assert "parameter 'q' ends at position 1200" in error.message
+    assert "parameters up to 'q' reserve 1200 positions in all, more than 1000" in error.message
+    text = ('<schema name="s"><module name="m">' + "x" * 500 + '<param name="q" len="600"/>'
+            "</module></schema>")
+    error = schema_error(text, limits=Limits(max_positions=1000))
+    assert ("parameter 'q' of module 'm' ends at position 1100, past the limit of 1000 "
+            "positions (Limits.max_positions)") in error.message
+    assert (error.line, error.column) == (1, 535)
 
 
 def test_invalid_encodings():
@@ -222,7 +227,7 @@ def test_failed_parse_changes_no_state():
     before = parse_prompt(text, schemas)
     snapshot = copy.deepcopy((SCHEMA.modules, SCHEMA.layout, SCHEMA.unions, SCHEMA.scaffolds,
                               SCHEMA.length, SCHEMA.digest))
-    for bad in ('<prompt schema="s"><a p="xyz"/></prompt>', '<prompt schema="s"><b/><a/></prompt>',
+    for bad in ('<prompt schema="s"><a p="xyz"/></prompt>', '<prompt schema="s"><b/><b/></prompt>',
                 '<prompt schema="s"><zz/></prompt>', "<prompt"):
         with pytest.raises(PMLError):
             parse_prompt(bad, schemas)

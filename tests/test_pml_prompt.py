@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pckernels.pml import ROOT, PMLError, Segment, parse_prompt, parse_schema
+from pckernels.pml import ROOT, PMLError, Segment, check_answerable, parse_prompt, parse_schema
 from pml_tokenizers import byte_tokenizer, decode, ids
 
 TOK = byte_tokenizer()
@@ -144,10 +144,40 @@ def test_param_buffer_is_how_to_make_room():
     assert seg("argument", "Is it long?", 4, "ask", "buffer") in p.segments
 
 
-def test_imports_must_follow_schema_order():
-    with pytest.raises(PMLError, match=r"module 'sys' \(positions 0-15\) cannot come after "
-                                       r"module 'trip'.*schema order"):
-        prompt("<trip/><sys/>")
+def test_imports_in_any_order_sit_at_their_schema_positions():
+    ordered = prompt('<sys/><trip duration="3 days"/><paris/><q/> What now?')
+    for body in ('<paris/><q/><trip duration="3 days"/><sys/> What now?',
+                 '<q/><sys/><paris/><trip duration="3 days"/> What now?'):
+        shuffled = prompt(body)
+        assert shuffled.segments == ordered.segments
+        assert shuffled.modules == ordered.modules == (ROOT, "sys", "trip", "paris", "q")
+        assert shuffled.arguments == ordered.arguments
+
+
+def test_text_between_out_of_order_imports_follows_the_import_before_it():
+    p = prompt("<paris/> hi <sys/> yo <r/>")
+    assert seg("text", "hi", 53) in p.segments
+    assert seg("text", "yo", 16) in p.segments
+    p = prompt("<trip/> a <sys/> b")
+    assert seg("text", "a", 37) in p.segments and seg("text", "b", 81) in p.segments
+    with pytest.raises(PMLError, match=r"text after module 'q' needs 2 positions but only 0 are "
+                                       r"free at 81 before the end of the schema"):
+        prompt("<r/><q/> hi <sys/>")
+    with pytest.raises(PMLError, match=r"text after module 'q' needs 2 positions but only 0 are "
+                                       r"free at 76 before module 'r'"):
+        prompt("<q/> hi <r/><sys/>")
+
+
+def test_text_never_lands_on_text_placed_earlier():
+    s = parse_schema('<schema name="e"><module name="a">aa</module><union>'
+                     '<module name="none"> </module><module name="b">bbbbbbbb</module></union>'
+                     '<module name="c">cc</module></schema>', TOK)
+    assert s.modules["none"].position_ids == () and s.modules["none"].start == 2
+    p = prompt("<a/> xy <none/> zw <c/>", {"e": s}, "e")
+    assert seg("text", "xy", 2) in p.segments and seg("text", "zw", 4) in p.segments
+    assert seg("text", "abcd", 6) in prompt("<a/> wxyz <none/> abcd <c/>", {"e": s}, "e").segments
+    with pytest.raises(PMLError, match="needs 5 positions but only 4 are free at 6 before module 'c'"):
+        prompt("<a/> wxyz <none/> abcde <c/>", {"e": s}, "e")
 
 
 def test_two_members_of_one_union_are_refused():
@@ -210,9 +240,12 @@ def test_nested_module_imported_at_top_level_gets_a_hint():
         prompt("<c/>", {"n": NESTED}, "n")
 
 
-def test_nested_imports_follow_schema_order():
-    with pytest.raises(PMLError, match="cannot come after module 'p/d'"):
-        prompt("<p><d/><c/></p>", {"n": NESTED}, "n")
+def test_nested_imports_in_any_order():
+    ordered = prompt('<p><c/><d x="1"/></p><z/>', {"n": NESTED}, "n")
+    for body in ('<z/><p><d x="1"/><c/></p>', '<module name="p/d" x="1"/><z/><p><c/></p>'):
+        assert prompt(body, {"n": NESTED}, "n").segments == ordered.segments
+    with pytest.raises(PMLError, match="'p/d' is imported twice"):
+        prompt('<p><d/></p><module name="p/d"/>', {"n": NESTED}, "n")
 
 
 def test_text_inside_an_import_is_refused():
@@ -283,3 +316,22 @@ def test_segments_cover_every_token_sorted():
 
 def test_schema_given_directly():
     assert prompt("<sys/>", TRAVEL).modules == (ROOT, "sys")
+
+
+def test_check_answerable_locates_what_comes_last():
+    check_answerable(prompt("<trip/> go"))
+    check_answerable(prompt('<r extra="ab"/>'))
+    with pytest.raises(PMLError, match="ends with module 'paris'") as info:
+        check_answerable(prompt("<sys/>\n <paris/>"))
+    assert (info.value.line, info.value.column) == (2, 2)
+    with pytest.raises(PMLError, match="ends with module 'trip'") as info:
+        check_answerable(prompt('<trip duration="x"/>'))
+    check_answerable(prompt("<q/>"), baseline=True)
+    bare = parse_schema('<schema name="b"><module name="m">m</module></schema>', TOK)
+    empty = parse_prompt('<prompt schema="b"/>', bare, label="p.xml")
+    with pytest.raises(PMLError, match=r"^p.xml: line 1, column 1: the prompt has no tokens"):
+        check_answerable(empty, baseline=True)
+    with pytest.raises(PMLError, match="ends with the schema's anonymous text") as info:
+        check_answerable(parse_prompt('<prompt schema="a"><m/></prompt>', parse_schema(
+            '<schema name="a"><module name="m">m</module>Answer:</schema>', TOK)))
+    assert (info.value.line, info.value.column) == (1, 1)

@@ -302,9 +302,10 @@ def test_same_local_name_in_different_scopes():
 def test_max_positions():
     body = '<module name="a">' + "x" * 10 + "</module>"
     assert schema(body, max_positions=10).length == 10
-    with pytest.raises(PMLError, match="needs 11 positions but the model allows 10.*'a'"):
+    with pytest.raises(PMLError, match=r"does not fit: module 'a' ends at position 11, past the "
+                                       r"model's limit of 10 positions \(max_positions\)"):
         schema("y" + body, max_positions=10)
-    with pytest.raises(PMLError, match="anonymous text at position 10"):
+    with pytest.raises(PMLError, match="anonymous text ends at position 11"):
         schema(body + "y", max_positions=10)
 
 

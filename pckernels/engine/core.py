@@ -21,7 +21,7 @@ from pckernels.engine.sampling import StopChecker, make_generator, select_token
 from pckernels.errors import PMLError, PMLPromptTooLongError
 from pckernels.integration.adapters import AttentionSpec, ModelAdapter, adapter_for
 from pckernels.integration.identity import model_fingerprint, weight_files
-from pckernels.pml import parse_prompt, parse_schema
+from pckernels.pml import check_answerable, parse_prompt, parse_schema
 from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
 from pckernels.store import BlockKey, BlockKeys, TieredStore, default_store_dir, parse_budgets
@@ -149,7 +149,6 @@ class PromptCache:
         previous = self.schemas.get(schema.name)
         if previous is not None and previous.digest == schema.digest:
             return previous
-        _check_scaffolds(schema)
         self._encode_schema(schema, progress=progress)
         self.schemas[schema.name] = schema
         return schema
@@ -187,7 +186,7 @@ class PromptCache:
 
     @torch.inference_mode()
     def _encode_schema(self, schema: Schema, *, progress: bool) -> None:
-        units: list[tuple[str, tuple[str, ...]]] = [("", (name,)) for name in schema.modules]
+        units: list[tuple[str, tuple[str, ...]]] = [("", (name,)) for name, m in schema.modules.items() if m.cached]
         units += [(s.name, s.members) for s in schema.scaffolds.values()]
         todo = [u for u in units if self._block_key(schema, u[1][0], u[0]) not in self.store]
         if not todo:
@@ -334,8 +333,7 @@ class PromptCache:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         resolved = self.resolve(prompt)
-        if not resolved.token_ids:
-            raise PMLError("the prompt has no tokens; import a module or add text")
+        check_answerable(resolved, baseline=mode == "baseline")
         limit = self.adapter.max_positions()
         last_pos = max(resolved.position_ids) if mode != "baseline" else len(resolved.token_ids) - 1
         if limit is not None and last_pos + 1 >= limit:
@@ -381,9 +379,6 @@ class PromptCache:
 
     def _prefill_cached(self, resolved: ResolvedPrompt, max_new_tokens: int, recomputed=frozenset()):
         plan: CachedPlan = plan_cached(resolved, recomputed)
-        if len(plan.new_tokens) == len(recomputed):
-            raise PMLError("the prompt has no uncached tokens after its last module; add text (for example "
-                           "<user>…</user><assistant/>) so the model has something to answer")
         buf = self.buffer
         buf.ensure_capacity(plan.rows + max_new_tokens)
         self._place_blocks(buf, resolved.schema, [(b.module, b.scaffold) for b in plan.blocks], start_row=0)
@@ -484,13 +479,14 @@ def _local_weight_files(name_or_path: str) -> list[Path]:
         return []
 
 
-def _read_source(text_or_path: str | os.PathLike) -> tuple[str, Path | None]:
-    """Schema text and its base directory (for ``src=``); accepts PML text or a file path."""
+def _read_source(text_or_path: str | os.PathLike) -> tuple[str | bytes, Path | None]:
+    """Schema text (a file's raw bytes, decoded by the PML layer) and its base directory (for
+    ``src=``); accepts PML text or a file path."""
     if isinstance(text_or_path, os.PathLike) or (
             isinstance(text_or_path, str) and "<" not in text_or_path and len(text_or_path) < 4096):
         path = Path(text_or_path)
         try:
-            return path.read_text(encoding="utf-8"), path.resolve().parent
+            return path.read_bytes(), path.resolve().parent
         except OSError as exc:
             raise PMLError(f"cannot read schema file {str(path)!r}: {exc.strerror or exc}") from None
     return str(text_or_path), None
@@ -502,15 +498,3 @@ def _union_siblings(schema: Schema, blocks: list[tuple[str, str]]) -> list[str]:
     unions = {schema.modules[m].union for m in used} - {None}
     return [m for u in sorted(unions) for m in schema.unions.get(u, ()) if m not in used]
 
-
-def _check_scaffolds(schema: Schema) -> None:
-    """A scaffold's members must share a parent and have no child modules: their joint states
-    replace the individual ones, and a child's cached states depend on its parent's."""
-    for scaffold in schema.scaffolds.values():
-        parents = {schema.modules[m].parent for m in scaffold.members}
-        if len(parents) > 1:
-            raise PMLError(f"scaffold {scaffold.name!r}: members must share one parent, got {sorted(map(str, parents))}")
-        for m in scaffold.members:
-            if schema.modules[m].children:
-                raise PMLError(f"scaffold {scaffold.name!r}: member {m!r} contains nested modules; "
-                               "scaffold members must be leaf modules")

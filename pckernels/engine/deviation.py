@@ -107,6 +107,8 @@ def _score(engine: "PromptCache", schema: Schema) -> dict[str, torch.Tensor]:
         count = len(schema.modules[name].token_ids)
         rows = torch.tensor([row_of[k] for k in range(start, start + count)], dtype=torch.long, device=device)
         start += count
+        if not schema.modules[name].cached:
+            continue
         in_context = buf.data.index_select(3, rows).float()
         isolated = engine._fetch_block(schema, name, "").float()
         diff = (in_context - isolated).norm(dim=(2, 4)) / in_context.norm(dim=(2, 4)).clamp_min(1e-6)

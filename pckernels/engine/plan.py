@@ -153,7 +153,8 @@ def _share_count(share: float, n: int) -> int:
 
 def plan_cached(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozenset()) -> CachedPlan:
     """Lay the prompt's imported blocks out contiguously in document order, arguments at
-    their slots' rows, uncached text after the blocks. Tokens in ``recompute`` are computed
+    their slots' rows, uncached text after the blocks. Uncached modules (``cache="false"``)
+    have no block: their tokens and arguments are text. Tokens in ``recompute`` are computed
     like uncached ones at their block rows, their fresh states replacing the cached ones."""
     schema = prompt.schema
     variants = scaffold_variants(prompt)
@@ -161,6 +162,8 @@ def plan_cached(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozens
     block_row: dict[str, int] = {}
     row = 0
     for name in prompt.modules:
+        if not schema.modules[name].cached:
+            continue
         n = len(schema.modules[name].token_ids)
         blocks.append(BlockUse(name, variants.get(name, ""), row, n))
         block_row[name] = row
@@ -171,6 +174,8 @@ def plan_cached(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozens
     dead_rows: list[int] = []
     cached_tokens = row
     for module_name, param_name in prompt.arguments:
+        if module_name not in block_row:
+            continue
         param = _param(schema, module_name, param_name)
         arg = prompt.arguments[(module_name, param_name)]
         slot_row = block_row[module_name] + param.offset
@@ -180,11 +185,11 @@ def plan_cached(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozens
     recomputed_modules = {module for module, _ in recompute}
     for seg in prompt.segments:
         token_ids, position_ids = seg.token_ids, seg.position_ids
-        if seg.kind == "argument":
+        if seg.kind == "argument" and seg.module in block_row:
             param = _param(schema, seg.module, seg.param)
             slot_row = block_row[seg.module] + param.offset
             rows = [slot_row + (p - param.start) for p in position_ids]
-        elif seg.kind == "text":
+        elif seg.kind in ("text", "argument"):
             rows = list(range(text_row, text_row + len(token_ids)))
             text_row += len(token_ids)
         elif seg.kind == "cached" and seg.module in recomputed_modules:

@@ -17,7 +17,7 @@ from pckernels.pml.model import (
     Schema,
     Segment,
 )
-from pckernels.pml.prompt import parse_prompt
+from pckernels.pml.prompt import check_answerable, parse_prompt
 from pckernels.pml.roles import PLAIN_FORMAT, RoleFormat, role_format
 from pckernels.pml.schema import LAYOUT_VERSION, parse_schema
 
@@ -36,6 +36,7 @@ __all__ = [
     "Scaffold",
     "Schema",
     "Segment",
+    "check_answerable",
     "is_valid_name",
     "parse_prompt",
     "parse_schema",

@@ -46,7 +46,8 @@ class Limits:
     max_modules: int = 100_000
     """Modules in one schema."""
     max_positions: int = 1 << 22
-    """Positions a schema (or a prompt) may span, whatever the model allows."""
+    """Positions a schema (or a prompt) may span, whatever the model allows; also the most
+    positions all parameters of one schema may reserve together."""
 
 
 def is_valid_name(name: str) -> bool:
@@ -142,8 +143,12 @@ def read_document(text: str | bytes, limits: Limits, *, label: str | None = None
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise PMLError(f"{kind} input is not valid UTF-8 ({exc.reason} at byte {exc.start})",
-                           line=1, column=1, source=label) from None
+            before = text[:exc.start]
+            line_start = before.rfind(b"\n") + 1
+            column = len(before[line_start:].decode("utf-8")) + 1
+            raise PMLError(f"{kind} input is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
+                           "PML is read as UTF-8: save the file as UTF-8",
+                           line=before.count(b"\n") + 1, column=column, source=label) from None
     if not isinstance(text, str):
         raise PMLError(f"{kind} input must be str or bytes, not {type(text).__name__}",
                        line=None, column=None, source=label)
@@ -178,6 +183,9 @@ def read_document(text: str | bytes, limits: Limits, *, label: str | None = None
         line, column = exc.position if exc.position else (None, None)
         message = exc.msg or str(exc)
         message = re.sub(r", line \d+, column \d+$", "", message)
+        if "EntityRef" in message or "StartTag: invalid element name" in message:
+            message += ("; a literal & or < in text must be written &amp; or &lt; (or put the "
+                        "text in a CDATA section or a src= file)")
         raise PMLError(f"malformed XML: {message}", line=line or 1, column=column,
                        source=label) from None
     except (ValueError, etree.LxmlError) as exc:
@@ -237,23 +245,22 @@ def element_content(element: etree._Element) -> list[TextPart | etree._Element]:
     are present (possibly empty) before, between and after child elements.
     """
     parts: list[TextPart | etree._Element] = [TextPart(element.text or "", element, False)]
+    pieces: list[str] = []
     for child in element:
         if isinstance(child.tag, str):
+            _join_pieces(parts[-1], pieces)
             parts.append(child)
             parts.append(TextPart(child.tail or "", child, True))
-        else:
-            last = parts[-1]
-            assert isinstance(last, TextPart)
-            last.text += child.tail or ""
+        elif child.tail:
+            pieces.append(child.tail)
+    _join_pieces(parts[-1], pieces)
     return parts
 
 
-def preserves_space(element: etree._Element) -> bool:
-    """Whether ``xml:space="preserve"`` is in effect for the element (inherited)."""
-    node: etree._Element | None = element
-    while node is not None:
-        value = node.get(XML_SPACE)
-        if value is not None:
-            return value == "preserve"
-        node = node.getparent()
-    return False
+def _join_pieces(part: TextPart | etree._Element, pieces: list[str]) -> None:
+    """Append the tails of the comments after ``part`` in one join (linear in their size)."""
+    if pieces:
+        assert isinstance(part, TextPart)
+        part.text = "".join([part.text, *pieces])
+        pieces.clear()
+

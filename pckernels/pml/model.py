@@ -81,6 +81,10 @@ class Module:
     start: int = 0
     length: int = 0
     """Span of the module including its children."""
+    cached: bool = True
+    """``False`` for ``cache="false"`` (and everything inside such a module): its tokens are
+    never encoded or stored; a prompt that imports it computes them in its forward, at the
+    module's positions, like uncached text."""
 
     def ancestors(self, modules: Mapping[str, "Module"]) -> tuple[str, ...]:
         """Qualified names of the enclosing modules, innermost first, ending with ``ROOT``."""
@@ -147,6 +151,8 @@ class ResolvedPrompt:
     filled in; an empty tuple when no argument and no default).
     ``segments``: every token of the prompt, sorted by position (slots before the
     argument at the same position).
+    ``locations``: ``module -> (line, column)`` of the element that imports it (``ROOT``: the
+    ``<prompt>`` tag), so later checks can locate their errors; ``label`` names the source.
     """
 
     schema: Schema
@@ -155,6 +161,8 @@ class ResolvedPrompt:
     arguments: dict[tuple[str, str], tuple[int, ...]]
     segments: tuple[Segment, ...]
     source: str | None = None
+    locations: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    label: str | None = None
 
     def live_segments(self) -> tuple[Segment, ...]:
         """Segments whose tokens make up the prompt as the model reads it (no slots)."""

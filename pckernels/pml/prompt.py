@@ -1,12 +1,17 @@
 """Prompt resolution: PML prompt text + schemas -> ``ResolvedPrompt``.
 
+Imports may come in any order: every module sits at its schema positions whatever the order
+it is imported in (the paper's §3.4: "the order of concatenation does not matter").
+
 Text placement rule (uncached text is never dropped):
 
 * Text after the last import starts at ``Schema.length`` and continues contiguously.
-* Text before or between imports starts right after the preceding imported element
-  (the cursor; anonymous schema text counts as imported) and must end before the next
-  imported element starts. If it does not fit, ``PMLError`` says how many positions are
-  missing and how to declare room (a ``<param>`` buffer in the schema).
+* Text before or between imports starts right after the import written before it (the end
+  of that import's span, or position 0 for text before the first import), skipping tokens
+  already there that the prompt imports earlier (anonymous schema text counts as imported)
+  and text placed earlier, and must end before the next imported token or placed text. If it
+  does not fit, ``PMLError`` says how many positions are missing and how to declare room (a
+  ``<param>`` buffer in the schema).
 """
 
 from __future__ import annotations
@@ -33,9 +38,17 @@ from pckernels.pml.tokens import encode_batch
 
 @dataclass
 class _TextRun:
-    text: str
+    """A run of prompt text, kept as pieces until it is read (so appending stays linear)."""
+
+    pieces: list[str]
     offset: int | None
     ids: tuple[int, ...] = ()
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) != 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0]
 
 
 @dataclass
@@ -82,9 +95,9 @@ class _PromptReader:
 
     def _add_text(self, text: str, offset: int | None) -> None:
         if self.stream and isinstance(self.stream[-1], _TextRun):
-            self.stream[-1].text += text
+            self.stream[-1].pieces.append(text)
         else:
-            self.stream.append(_TextRun(text, offset))
+            self.stream.append(_TextRun([text], offset))
 
     def _content(self, element: Any, preserve: bool, *, in_role: bool) -> None:
         for part in text_runs(element, preserve, lambda _: False):
@@ -253,8 +266,12 @@ def _runs(module: Module) -> list[tuple[int, int]]:
     return runs
 
 
+_PLACED = "@text"
+"""Owner of positions taken by text placed earlier in the prompt (not a valid module name)."""
+
+
 class _Placer:
-    """Checks import order and places uncached text (pass 3)."""
+    """Places uncached text (pass 3)."""
 
     def __init__(self, source: Source, schema: Schema, imported: list[str],
                  limits: Limits) -> None:
@@ -271,26 +288,14 @@ class _Placer:
         self.segments: list[Segment] = []
 
     def _owner(self, name: str) -> str:
+        if name == _PLACED:
+            return "text placed earlier"
         return "the schema's anonymous text" if name == ROOT else f"module {name!r}"
-
-    def check_order(self, node: _Import, cursor: int, previous: str | None) -> int:
-        if node.start < cursor:
-            after = f" after {previous}" if previous else ""
-            raise self.source.error(
-                f"{node.label} ({_span_label(node.start, node.end)}) cannot come{after} "
-                f"(the prompt is already at position {cursor}); list imports in schema order",
-                node.element)
-        inner = node.start
-        inner_previous = None
-        for child in node.children:
-            inner = self.check_order(child, inner, inner_previous)
-            inner_previous = child.label
-        return node.end
 
     def place(self, run: _TextRun, cursor: int, done: set[str], previous: str | None,
               following: str) -> int:
-        """Place text that precedes an import: from the cursor, past anything already
-        imported there, up to the next imported token."""
+        """Place text that precedes an import: from the cursor (the end of the import written
+        before it), past what is already there, up to the next imported token or placed text."""
         count = len(run.ids)
         position = cursor
         index = max(bisect.bisect_right(self.starts, position) - 1, 0)
@@ -298,7 +303,7 @@ class _Placer:
             start, end, owner = self.occupied[index]
             if start > position:
                 break
-            if end > position and owner in done:
+            if end > position and (owner in done or owner == _PLACED):
                 position = end
             index += 1
         limit, blocker = self.schema.length, "the end of the schema"
@@ -315,6 +320,10 @@ class _Placer:
                 "pass the text as that parameter's argument, or move the text after the last "
                 "import", offset=run.offset)
         self.segments.append(Segment("text", run.ids, tuple(range(position, position + count))))
+        if count:
+            entry = (position, position + count, _PLACED)
+            bisect.insort(self.occupied, entry)
+            self.starts.insert(bisect.bisect_left(self.occupied, entry), position)
         return position + count
 
     def place_trailing(self, run: _TextRun, position: int) -> int:
@@ -336,15 +345,18 @@ class _Placer:
 
 def _module_segments(module: Module, arguments: dict[tuple[str, str], tuple[int, ...]]
                      ) -> list[Segment]:
-    """Cached runs, slots and arguments of one imported module."""
+    """Cached runs, slots and arguments of one imported module. An uncached module
+    (``cache="false"``) gives ``text`` runs and its arguments, and no slots: nothing cached
+    needs placeholders."""
     out: list[Segment] = []
     slots = {p.offset: p for p in module.params}
     tokens, positions = module.token_ids, module.position_ids
+    kind = "cached" if module.cached else "text"
     run_start = 0
 
     def flush(end: int) -> None:
         if end > run_start:
-            out.append(Segment("cached", tokens[run_start:end], positions[run_start:end],
+            out.append(Segment(kind, tokens[run_start:end], positions[run_start:end],
                                module=module.name))
 
     index = 0
@@ -353,8 +365,9 @@ def _module_segments(module: Module, arguments: dict[tuple[str, str], tuple[int,
         if param is not None:
             flush(index)
             end = index + param.length
-            out.append(Segment("slot", tokens[index:end], positions[index:end],
-                               module=module.name, param=param.name))
+            if module.cached:
+                out.append(Segment("slot", tokens[index:end], positions[index:end],
+                                   module=module.name, param=param.name))
             argument = arguments[(module.name, param.name)]
             if argument:
                 out.append(Segment("argument", argument,
@@ -439,7 +452,7 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
     done = {ROOT}
     for index, item in enumerate(reader.stream):
         if isinstance(item, _Import):
-            cursor = placer.check_order(item, cursor, previous)
+            cursor = item.end
             previous = item.label
             for node in _flatten_import(item):
                 done.update(node.modules)
@@ -460,7 +473,45 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
     scaffolds = tuple(name for name, scaffold in schema.scaffolds.items()
                       if all(m in imported_set for m in scaffold.members))
     return ResolvedPrompt(schema=schema, modules=tuple(imported), scaffolds=scaffolds,
-                          arguments=arguments, segments=tuple(segments), source=source.text)
+                          arguments=arguments, segments=tuple(segments), source=source.text,
+                          locations=_locations(source, imports), label=label)
+
+
+def _locations(source: Source, imports: list[_Import]) -> dict[str, tuple[int | None, int | None]]:
+    """``module -> (line, column)`` of the element importing it; ``ROOT`` -> the ``<prompt>`` tag."""
+    def where(element: Any) -> tuple[int | None, int | None]:
+        offset = source.element_offset(element)
+        return source.location(offset) if offset is not None else (element.sourceline, None)
+
+    out = {ROOT: where(source.root)}
+    for node in imports:
+        for name in (*node.modules, *node.implied):
+            out.setdefault(name, where(node.element))
+    return out
+
+
+def check_answerable(prompt: ResolvedPrompt, *, baseline: bool = False) -> None:
+    """Refuse, located in the prompt's source, a prompt the engine cannot answer: one without
+    tokens, or — in cached and reference modes (not ``baseline``) — one whose last token (the
+    highest position) is cached. The next token is predicted from the last token's fresh
+    states; a cached token's states come from the store and were encoded without the rest of
+    the prompt, so text (or an argument) must come last."""
+    live = prompt.live_segments()
+    if not live:
+        line, column = prompt.locations.get(ROOT, (None, None))
+        raise PMLError("the prompt has no tokens; import a module or add text", line=line,
+                       column=column, source=prompt.label)
+    if baseline:
+        return
+    last = max(live, key=lambda s: s.position_ids[-1])
+    if last.kind == "cached":
+        line, column = prompt.locations.get(last.module, (None, None))
+        owner = "the schema's anonymous text" if last.module == ROOT else f"module {last.module!r}"
+        raise PMLError(f"the prompt ends with {owner}: its last token (position "
+                       f"{last.position_ids[-1]}) is cached, and a cached token's states cannot "
+                       "predict what follows; add text after the last import (for example "
+                       "<user>…</user><assistant/>) so the model has something to answer",
+                       line=line, column=column, source=prompt.label)
 
 
 def _flatten(stream: list[Any]):

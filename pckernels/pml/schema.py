@@ -8,6 +8,7 @@ assigns positions in document order.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ from pckernels.pml.model import ROOT, LayoutEntry, Module, Param, Scaffold, Sche
 from pckernels.pml.roles import role_format
 from pckernels.pml.tokens import encode_batch, fingerprint, placeholder_token_id, special_prefix
 
+log = logging.getLogger(__name__)
+
 LAYOUT_VERSION = "pml-layout-1"
 """Changes whenever the same schema text could lay out differently (part of the digest)."""
 
@@ -40,8 +43,17 @@ _SCHEMA_TAGS = ("module", "union", "scaffold") + _PARAM_TAGS + ROLE_TAGS
 
 @dataclass
 class _Text:
-    text: str
-    ids: tuple[int, ...] = ()
+    """A run of module text, kept as pieces until it is read (so appending stays linear)."""
+
+    pieces: list[str]
+    ids: tuple[int, ...] | None = None
+    """Set by ``_LazyEncoder`` when the layout reaches the text."""
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) != 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0]
 
 
 @dataclass
@@ -56,6 +68,8 @@ class _Slot:
     default_text: str | None
     default_ids: tuple[int, ...] = ()
     element: Any = None
+    original_spelling: bool = False
+    """The default came from the original implementation's ``scaffold=``."""
 
 
 @dataclass
@@ -66,14 +80,15 @@ class _ModuleDecl:
     element: Any
     union: str | None = None
     scaffold: str | None = None
+    cached: bool = True
     items: list = field(default_factory=list)
     local_names: set[str] = field(default_factory=set)
 
     def add_text(self, text: str) -> None:
         if self.items and isinstance(self.items[-1], _Text):
-            self.items[-1].text += text
+            self.items[-1].pieces.append(text)
         else:
-            self.items.append(_Text(text))
+            self.items.append(_Text([text]))
 
 
 @dataclass
@@ -98,15 +113,37 @@ def _qualify(parent: str, name: str) -> str:
     return name if parent == ROOT else f"{parent}/{name}"
 
 
+@dataclass(frozen=True)
+class _PositionLimit:
+    """The binding position limit: the model's ``max_positions`` or ``Limits.max_positions``."""
+
+    value: int
+    model: bool
+
+    @classmethod
+    def of(cls, limits: Limits, max_positions: int | None) -> "_PositionLimit":
+        if max_positions is not None and max_positions <= limits.max_positions:
+            return cls(max_positions, True)
+        return cls(limits.max_positions, False)
+
+    def __str__(self) -> str:
+        if self.model:
+            return f"the model's limit of {self.value} positions (max_positions)"
+        return f"the limit of {self.value} positions (Limits.max_positions)"
+
+
 class _SchemaReader:
     """Turns a schema element tree into declarations (pass 1)."""
 
     def __init__(self, source: Source, tokenizer: Any, base_dir: Path | None,
-                 limits: Limits) -> None:
+                 limits: Limits, position_limit: _PositionLimit) -> None:
         self.source = source
         self.tokenizer = tokenizer
         self.base_dir = base_dir
         self.limits = limits
+        self.position_limit = position_limit
+        self.slot_positions = 0
+        self.union_scaffolds: list[Any] = []
         self.module_count = 0
         self.src_bytes = 0
         self.src_records: list[tuple[str, str]] = []
@@ -132,10 +169,19 @@ class _SchemaReader:
         if prefix:
             scope.items.insert(0, _Tokens(prefix))
         elif self._roles is not None and self._roles.conversation_start:
-            scope.items.insert(0, _Text(self._roles.conversation_start))
+            scope.items.insert(0, _Text([self._roles.conversation_start]))
         if not any(isinstance(item, (_Text, _ModuleDecl, _UnionDecl, _ScaffoldDecl))
                    for item in scope.items):
             raise self.error(f"empty schema {name!r}: add text or <module> elements", root)
+        if self.union_scaffolds:
+            first = self.source.location(self.source.element_offset(self.union_scaffolds[0]) or 0)
+            log.warning("%sschema %r: scaffold= on %d <union> element(s) (the first at line %d, "
+                        "column %d) is accepted and ignored: promptcache encodes each module "
+                        "against its ancestors only, so no union member stands in for the chosen "
+                        "one while other text is encoded (the original implementation's meaning "
+                        "of a union without scaffold=)",
+                        f"{self.source.label}: " if self.source.label else "", name,
+                        len(self.union_scaffolds), *first)
         return name, scope
 
     def _fill(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
@@ -189,7 +235,7 @@ class _SchemaReader:
     def _module(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
                 in_scaffold: bool, union: str | None = None, scaffold: str | None = None,
                 layout_parent: str | None = None) -> _ModuleDecl:
-        values = attributes(self.source, element, ("name", "src"), ("name",))
+        values = attributes(self.source, element, ("name", "src", "cache"), ("name",))
         local = check_name(self.source, element, values["name"], "module")
         self._claim(scope, element, local, "module")
         self.module_count += 1
@@ -199,7 +245,8 @@ class _SchemaReader:
         if layout_parent is None and scope.name != ROOT:
             layout_parent = scope.name
         decl = _ModuleDecl(_qualify(scope.name, local), scope.name, layout_parent, element,
-                           union=union, scaffold=scaffold)
+                           union=union, scaffold=scaffold,
+                           cached=self._cached(scope, element, values.get("cache"), scaffold))
         preserve = space_mode(self.source, element, preserve)
         if "src" in values:
             text = self._load_src(element, values["src"])
@@ -210,10 +257,27 @@ class _SchemaReader:
         else:
             self._fill(decl, element, preserve=preserve, in_role=in_role,
                        in_scaffold=in_scaffold)
-        if not decl.items:
-            raise self.error(f"module {decl.name!r} is empty: give it text, a <param> or "
-                             "child modules", element)
         return decl
+
+    def _cached(self, scope: _ModuleDecl, element: Any, value: str | None,
+                scaffold: str | None) -> bool:
+        """Whether a module is cached: ``cache="false"`` turns it off for the module and
+        everything inside it (their states would depend on text computed per prompt)."""
+        if value is None:
+            return scope.cached
+        value = value.strip(XML_WHITESPACE)
+        if value not in ("true", "false"):
+            raise self.error(f"cache={value!r}: expected cache=\"true\" (the default) or "
+                             "cache=\"false\" (compute the module in every prompt)", element)
+        if value == "true" and not scope.cached:
+            raise self.error(f"cache=\"true\" inside module {scope.name!r}, which is not cached: "
+                             "a module inside an uncached module is computed in every prompt "
+                             "too; drop the attribute", element)
+        if value == "false" and scaffold is not None:
+            raise self.error(f"scaffold {scaffold!r}: a scaffold member cannot have "
+                             "cache=\"false\" (the members are encoded together and cached); "
+                             "move the module out of the scaffold", element)
+        return value == "true"
 
     def _load_src(self, element: Any, src: str) -> str:
         if not is_empty(element):
@@ -225,32 +289,31 @@ class _SchemaReader:
         if not src or "\x00" in src or os.path.isabs(src) or src.startswith(("/", "\\")):
             raise self.error(f"src={src!r} must be a relative path inside the schema "
                              "directory", element)
-        base = self.base_dir.resolve()
+        shown = src if len(src) <= 80 else f"{src[:60]}…({len(src)} characters)"
         try:
+            base = self.base_dir.resolve()
             path = (base / src).resolve()
-        except (OSError, RuntimeError) as exc:
-            raise self.error(f"src={src!r} cannot be resolved: {exc}", element) from None
-        if path != base and base not in path.parents:
-            raise self.error(f"src={src!r} escapes the schema directory {str(base)!r}; "
-                             "only files inside it may be loaded", element)
-        if not path.is_file():
-            raise self.error(f"src={src!r}: no such file in {str(base)!r}", element)
-        try:
+            if path != base and base not in path.parents:
+                raise self.error(f"src={shown!r} escapes the schema directory {str(base)!r}; "
+                                 "only files inside it may be loaded", element)
+            if not path.is_file():
+                raise self.error(f"src={shown!r}: no such file in {str(base)!r}", element)
             size = path.stat().st_size
             self.src_bytes += size
             if self.src_bytes > self.limits.max_src_bytes:
-                raise self.error(f"src={src!r}: files loaded by this schema exceed "
+                raise self.error(f"src={shown!r}: files loaded by this schema exceed "
                                  f"{self.limits.max_src_bytes} bytes (Limits.max_src_bytes)",
                                  element)
             data = path.read_bytes()
-        except OSError as exc:
-            raise self.error(f"src={src!r} cannot be read: {exc.strerror or exc}",
-                             element) from None
+        except (OSError, RuntimeError) as exc:
+            reason = getattr(exc, "strerror", None) or exc
+            raise self.error(f"src={shown!r} cannot be read: {reason}; expected a relative path "
+                             "to a readable file inside the schema directory", element) from None
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise self.error(f"src={src!r} is not UTF-8 text ({exc.reason} at byte "
-                             f"{exc.start})", element) from None
+            raise self.error(f"src={shown!r} is not UTF-8 text ({exc.reason} at byte "
+                             f"{exc.start}); save the file as UTF-8", element) from None
         self.src_records.append((src, hashlib.sha256(data).hexdigest()))
         return text
 
@@ -275,20 +338,29 @@ class _SchemaReader:
             raise self.error(f"<{tag} name=\"{name}\"> needs len=\"N\": the number of positions "
                              "reserved for its argument", element)
         raw = raw.strip(XML_WHITESPACE)
-        if not raw.isascii() or not raw.isdigit() or int(raw) < 1:
+        if not raw.isascii() or not raw.isdigit() or not raw.strip("0"):
             raise self.error(f"invalid len={raw!r} on parameter {name!r}: expected a whole "
                              "number of tokens, at least 1", element)
-        length = int(raw)
-        if length > self.limits.max_positions:
-            raise self.error(f"len={length} on parameter {name!r} exceeds "
-                             f"{self.limits.max_positions} positions (Limits.max_positions)",
+        digits = raw.lstrip("0")
+        limit = self.position_limit
+        if len(digits) > len(str(limit.value)) or int(digits) > limit.value:
+            shown = digits if len(digits) <= 20 else f"{digits[:20]}… ({len(digits)} digits)"
+            raise self.error(f"len={shown} on parameter {name!r} is past {limit}; a "
+                             "parameter cannot reserve more positions than the schema may span",
                              element)
+        length = int(digits)
+        self.slot_positions += length
+        if self.slot_positions > self.limits.max_positions:
+            raise self.error(f"the parameters up to {name!r} reserve {self.slot_positions} "
+                             f"positions in all, more than {self.limits.max_positions} "
+                             "(Limits.max_positions); lower their len=", element)
         if not is_empty(element):
             raise self.error(f"<{tag}> must be empty: write <{tag} name=\"{name}\" "
                              f"len=\"{length}\"/>", element)
         self._claim(scope, element, name, "parameter")
         default = values.get("default", values.get("scaffold"))
-        return _Slot(name, length, default or None, element=element)
+        return _Slot(name, length, default or None, element=element,
+                     original_spelling="scaffold" in values)
 
     def _members(self, scope: _ModuleDecl, element: Any, what: str, *, preserve: bool,
                  in_role: bool, in_scaffold: bool, union: str | None,
@@ -302,16 +374,26 @@ class _SchemaReader:
             if local_tag(part) != "module":
                 raise self.error(f"<{part.tag}> cannot appear directly inside <{what}>; only "
                                  "<module> elements can", part)
-            members.append(self._module(scope, part, preserve=preserve, in_role=in_role,
-                                        in_scaffold=in_scaffold, union=union,
-                                        scaffold=scaffold, layout_parent=union or scaffold))
+            member = self._module(scope, part, preserve=preserve, in_role=in_role,
+                                  in_scaffold=in_scaffold, union=union, scaffold=scaffold,
+                                  layout_parent=union or scaffold)
+            if scaffold is not None and any(
+                    isinstance(item, (_ModuleDecl, _UnionDecl, _ScaffoldDecl))
+                    for item in member.items):
+                raise self.error(f"scaffold {scaffold!r}: member {member.name!r} contains nested "
+                                 "modules; scaffold members must be leaf modules (their joint "
+                                 "states replace the individual ones, and a nested module's "
+                                 "cached states depend on its parent's)", part)
+            members.append(member)
         if not members:
             raise self.error(f"empty <{what}>: it needs at least one <module>", element)
         return members
 
     def _union(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
                in_scaffold: bool) -> _UnionDecl:
-        values = attributes(self.source, element, ("name",))
+        values = attributes(self.source, element, ("name", "scaffold"))
+        if "scaffold" in values:
+            self.union_scaffolds.append(element)
         if "name" in values:
             name = check_name(self.source, element, values["name"], "union")
             if name in self.unions or name in self.scaffolds or name in self.top_names:
@@ -334,6 +416,10 @@ class _SchemaReader:
         if in_scaffold:
             raise self.error("scaffolds do not nest: this <scaffold> is inside another "
                              "scaffold's module", element)
+        if not scope.cached:
+            raise self.error(f"a <scaffold> cannot be inside module {scope.name!r}, which has "
+                             "cache=\"false\": scaffold members are encoded together and "
+                             "cached", element)
         values = attributes(self.source, element, ("name",), ("name",))
         name = check_name(self.source, element, values["name"], "scaffold")
         if name in self.scaffolds or name in self.unions or name in self.top_names:
@@ -372,22 +458,90 @@ class _SchemaReader:
             scope.add_text(suffix)
 
 
-class _Layout:
-    """Assigns positions in document order and builds the contract's data (pass 3)."""
+_BATCH_CHARS = 1 << 20
+"""About how many characters of schema text are tokenized per batch."""
+_PROBE_MARGIN = 64
 
-    def __init__(self, placeholder: int, limits: Limits, source: Source) -> None:
+
+class _TooLong(Exception):
+    """A text needs at least ``at_least`` positions, more than the room left for it."""
+
+    def __init__(self, at_least: int) -> None:
+        super().__init__(at_least)
+        self.at_least = at_least
+
+
+class _LazyEncoder:
+    """Tokenizes the schema's texts in document order — the order the layout reads them — about
+    ``_BATCH_CHARS`` characters per batch, so a schema past its position limit is refused after
+    tokenizing at most one batch beyond the limit instead of all of it. A single text longer
+    than a batch is first probed with a prefix: when the prefix alone needs more than twice the
+    room left, the text is refused without tokenizing the rest."""
+
+    def __init__(self, tokenizer: Any, texts: list[_Text]) -> None:
+        self.tokenizer = tokenizer
+        self.texts = texts
+        self.index = {id(text): i for i, text in enumerate(texts)}
+
+    def ids(self, item: _Text, room: int) -> tuple[int, ...]:
+        """Token ids of ``item``; raises ``_TooLong`` when it certainly exceeds ``room``."""
+        if item.ids is None:
+            if len(item.text) > _BATCH_CHARS:
+                self._probe(item.text, room)
+            start = self.index[id(item)]
+            end, size = start, 0
+            while end < len(self.texts) and self.texts[end].ids is None and (
+                    end == start or size + len(self.texts[end].text) <= _BATCH_CHARS):
+                size += len(self.texts[end].text)
+                end += 1
+            batch = self.texts[start:end]
+            for text, ids in zip(batch, encode_batch(self.tokenizer, [t.text for t in batch])):
+                text.ids = ids
+        return item.ids
+
+    def _probe(self, text: str, room: int) -> None:
+        chars = 32 * (max(room, 0) + _PROBE_MARGIN)
+        if len(text) <= chars:
+            return
+        cut = max(text.rfind(" ", 0, chars), text.rfind("\n", 0, chars))
+        count = len(encode_batch(self.tokenizer, [text[:cut if cut > 0 else chars]])[0])
+        if count > 2 * max(room, 0) + _PROBE_MARGIN:
+            raise _TooLong(count - _PROBE_MARGIN)
+
+
+class _Layout:
+    """Assigns positions in document order and builds the contract's data (pass 3).
+
+    Positions and the total token count are checked before anything is allocated for a text
+    or a parameter slot, so the work done is bounded by the limits, not by what the schema asks.
+    """
+
+    def __init__(self, name: str, placeholder: int, limits: Limits, limit: _PositionLimit,
+                 source: Source, encoder: _LazyEncoder) -> None:
+        self.name = name
         self.placeholder = placeholder
         self.limits = limits
+        self.limit = limit
         self.source = source
+        self.encoder = encoder
         self.entries: list[LayoutEntry] = []
         self.modules: dict[str, Module] = {}
         self.total_tokens = 0
 
-    def _check(self, end: int, element: Any, what: str) -> None:
-        if end > self.limits.max_positions:
-            raise self.source.error(f"{what} ends at position {end}, past the limit of "
-                                    f"{self.limits.max_positions} positions "
-                                    "(Limits.max_positions)", element)
+    def _past(self, end: int, element: Any, what: str, at_least: bool = False) -> PMLError:
+        where = f"past position {end - 1}" if at_least else f"at position {end}"
+        return self.source.error(f"schema {self.name!r} does not fit: {what} ends {where}, "
+                                 f"past {self.limit}", element)
+
+    def _check(self, end: int, count: int, element: Any, what: str) -> None:
+        """Refuse ``count`` more tokens ending at ``end`` before they are allocated."""
+        if end > self.limit.value:
+            raise self._past(end, element, what)
+        self.total_tokens += count
+        budget = self.limits.max_positions * 4
+        if self.total_tokens > budget:
+            raise self.source.error(f"the schema's modules hold more than {budget} tokens "
+                                    "together (4 x Limits.max_positions)", element)
 
     def module(self, decl: _ModuleDecl, start: int) -> int:
         """Lay out ``decl`` from ``start``; returns the first position after it."""
@@ -404,16 +558,25 @@ class _Layout:
         children: list[str] = []
         for item in decl.items:
             if isinstance(item, (_Text, _Tokens)):
-                count = len(item.ids)
-                self._check(position + count, decl.element, f"module {decl.name!r}")
+                what = "anonymous text" if is_root else f"module {decl.name!r}"
+                if isinstance(item, _Text):
+                    try:
+                        ids = self.encoder.ids(item, self.limit.value - position)
+                    except _TooLong as exc:
+                        raise self._past(position + exc.at_least, decl.element, what,
+                                         at_least=True) from None
+                else:
+                    ids = item.ids
+                count = len(ids)
+                self._check(position + count, count, decl.element, what)
                 if is_root and count:
                     self._anonymous(position, count)
-                token_ids.extend(item.ids)
+                token_ids.extend(ids)
                 position_ids.extend(range(position, position + count))
                 position += count
             elif isinstance(item, _Slot):
-                self._check(position + item.length, item.element,
-                            f"parameter {item.name!r}")
+                self._check(position + item.length, item.length, item.element,
+                            f"parameter {item.name!r} of module {decl.name!r}")
                 params.append(Param(item.name, decl.name, position, item.length,
                                     len(token_ids), item.default_ids))
                 self.entries.append(LayoutEntry(f"{decl.name}/{item.name}", "param", position,
@@ -445,11 +608,6 @@ class _Layout:
                     position = self.module(member, position)
                 self.entries[index] = LayoutEntry(item.name, "scaffold", first, position - first,
                                                   item.layout_parent)
-        self.total_tokens += len(token_ids)
-        if self.total_tokens > self.limits.max_positions * 4:
-            raise self.source.error("the schema's modules hold more than "
-                                    f"{self.limits.max_positions * 4} tokens together "
-                                    "(4 x Limits.max_positions)", decl.element)
         if entry_index is not None:
             self.entries[entry_index] = LayoutEntry(decl.name, "module", start, position - start,
                                                     decl.layout_parent)
@@ -457,7 +615,7 @@ class _Layout:
             name=decl.name, parent=decl.parent, token_ids=tuple(token_ids),
             position_ids=tuple(position_ids), params=tuple(params), union=decl.union,
             scaffolds=(decl.scaffold,) if decl.scaffold else (), children=tuple(children),
-            start=start, length=position - start)
+            start=start, length=position - start, cached=decl.cached)
         return position
 
     def _anonymous(self, start: int, count: int) -> None:
@@ -494,32 +652,30 @@ def parse_schema(text: str | bytes, tokenizer: Any, *, base_dir: str | os.PathLi
     if max_positions is not None and max_positions < 1:
         raise PMLError(f"max_positions must be positive, not {max_positions}")
     source = read_document(text, limits, label=label, kind="schema")
+    limit = _PositionLimit.of(limits, max_positions)
     reader = _SchemaReader(source, tokenizer, Path(base_dir) if base_dir is not None else None,
-                           limits)
+                           limits, limit)
     name, root = reader.read()
 
     items = list(_walk(root))
-    texts = [item for item in items if isinstance(item, _Text)]
     slots = [item for item in items if isinstance(item, _Slot) and item.default_text]
-    encoded = encode_batch(tokenizer, [t.text for t in texts] + [s.default_text for s in slots])
-    for item, ids in zip(texts, encoded):
-        item.ids = ids
-    for slot, ids in zip(slots, encoded[len(texts):]):
+    for slot, ids in zip(slots, encode_batch(tokenizer, [s.default_text for s in slots])):
+        if len(ids) > slot.length and slot.original_spelling:
+            line, column = source.location(source.element_offset(slot.element) or 0)
+            log.warning("%sline %d, column %d: scaffold=%r on parameter %r is %d tokens, longer "
+                        "than its length=%d; ignored, the parameter has no default (the original "
+                        "implementation refuses it too, with some tokenizers)",
+                        f"{label}: " if label else "", line, column, slot.default_text,
+                        slot.name, len(ids), slot.length)
+            continue
         if len(ids) > slot.length:
             raise source.error(f"the default of parameter {slot.name!r} is {len(ids)} tokens, "
                                f"longer than its len={slot.length}", slot.element)
         slot.default_ids = ids
 
-    layout = _Layout(placeholder_token_id(tokenizer), limits, source)
+    encoder = _LazyEncoder(tokenizer, [item for item in items if isinstance(item, _Text)])
+    layout = _Layout(name, placeholder_token_id(tokenizer), limits, limit, source, encoder)
     length = layout.module(root, 0)
-    if max_positions is not None and length > max_positions:
-        over = next((e for e in layout.entries if e.start + e.length > max_positions), None)
-        detail = ""
-        if over is not None:
-            what = "anonymous text" if over.name == ROOT else f"{over.kind} {over.name!r}"
-            detail = f"; {what} at position {over.start} is the first to pass it"
-        raise source.error(f"schema {name!r} needs {length} positions but the model allows "
-                           f"{max_positions}{detail}", source.root)
 
     digest = hashlib.sha256()
     for part in (LAYOUT_VERSION, source.text, fingerprint(tokenizer)):
