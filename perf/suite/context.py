@@ -77,7 +77,7 @@ class Bench:
 def natural_order_ids(resolved: ResolvedPrompt, order: Sequence[str]) -> list[int]:
     """The prompt's token ids with the imported modules ``order`` laid out in that order.
 
-    Prompt Cache places modules at their schema positions, in schema order; a prompt built
+    Prompt Cache places modules at their schema positions, whatever order they are listed in; a prompt built
     without it (no reuse, prefix reuse) concatenates them as the application retrieved them.
     The text before the first and after the last of these modules stays where it is."""
     live = resolved.live_segments()
