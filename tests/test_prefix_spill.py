@@ -148,6 +148,32 @@ def test_blocks_survive_a_restart_on_disk(tokenizer, llama, tmp_path):
     assert unrelated.cached_tokens == 0 and other_model.stats()["restored_blocks"] == 0
 
 
+def test_a_spilled_file_holding_another_tensor_is_discarded(tokenizer, llama, tmp_path):
+    """A well-formed block file (valid checksum) whose tensor is not the block its key names — too
+    few rows here — is refused on load, deleted, and the prefix is recomputed exactly."""
+    from pathlib import Path
+
+    from pckernels.store import BlockKey
+    from pckernels.store.disk import write_block
+
+    store = TieredStore(disk_dir=tmp_path)
+    cache = PrefixCache(llama, tokenizer, block_size=BLOCK, budget_bytes=0, spill=store)
+    run_pair(cache, TEXT)
+    store.close()
+    first = next(f for f in list_blocks(tmp_path) if f["module"] == "block@0")
+    path = Path(first["path"])
+    cfg = llama.config
+    wrong = torch.zeros(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, BLOCK - 3, cfg.head_dim)
+    write_block(path, BlockKey(first["digest"], schema=SPILL_SCHEMA, module="block@0", tokens=BLOCK), wrong)
+
+    restarted_store = TieredStore(disk_dir=tmp_path)
+    restarted = PrefixCache(llama, tokenizer, block_size=BLOCK, spill=restarted_store)
+    _, again = run_pair(restarted, TEXT)
+    assert again.cached_tokens == 0
+    assert restarted_store.stats()["disk"]["discard_reasons"] == {"wrong shape": 1}
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("model_type", ["lfm2", "qwen3_next"])
 def test_hybrid_models_do_not_spill(tokenizer, model_type):
     store = TieredStore()

@@ -60,7 +60,7 @@ class BlockSpill:
         digest = hashlib.sha256(self._prefix)
         digest.update(chain_key)
         return BlockKey(digest.hexdigest(), model=self.model_name, schema=SPILL_SCHEMA, module=f"block@{start}",
-                        tokens=num_tokens)
+                        tokens=num_tokens, shape=(self.num_layers, 2, None, num_tokens, None), dtype=self.kv_dtype)
 
     def put(self, entry: CachedEntry) -> bool:
         """Write a full block's keys/values to the store unless it holds them already; returns whether written.
