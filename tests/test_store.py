@@ -221,6 +221,19 @@ def test_block_key_memo_holds_at_most_memo_schemas_versions(tokenizer):
     assert _every_key(keys, schemas[1]) == _every_key(BlockKeys("model", "tokenizer", "cpu"), schemas[1])
 
 
+def test_engine_position_memo_keeps_the_current_schema_versions_only(tokenizer):
+    """Re-adding a schema name with new text drops the old version's position tensors."""
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    prompt = PROMPTS["everything"]
+    for i in range(5):
+        pc.add_schema(SCHEMA.replace("Include local food.", f"Include local food {i}."))
+        pc.generate(prompt, max_new_tokens=1)
+    assert list(pc._block_positions) == ["guide"]
+    current = pc.schemas["guide"]
+    assert set(pc._block_positions["guide"]) <= {pc._block_key(current, m) for m in current.modules} | {
+        pc._block_key(current, m, s.name) for s in current.scaffolds.values() for m in s.members}
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "garbage", "longer-block", "shorter-block",
                                     "other-dtype"])
 def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, tmp_path, damage, caplog):

@@ -85,7 +85,7 @@ class PromptCache:
                                      layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
                                      dtype=self.dtype)
         self.schemas: dict[str, Schema] = {}
-        self._block_positions: dict[BlockKey, torch.Tensor] = {}
+        self._block_positions: dict[str, dict[BlockKey, torch.Tensor]] = {}
         self.buffer = AssemblyBuffer(self.layout, dtype=self.dtype, device=self.device)
         self._cache = BufferCache(self.buffer)
         self._encode_buffer = AssemblyBuffer(self.layout, dtype=self.dtype, device=self.device)
@@ -149,6 +149,7 @@ class PromptCache:
         previous = self.schemas.get(schema.name)
         if previous is not None and previous.digest == schema.digest:
             return previous
+        self._block_positions.pop(schema.name, None)
         self._encode_schema(schema, progress=progress)
         self.schemas[schema.name] = schema
         return schema
@@ -277,11 +278,13 @@ class PromptCache:
         return block
 
     def _positions(self, schema: Schema, module: str, key: BlockKey) -> torch.Tensor:
-        """Schema positions ``[n]`` of a block's rows (on the device, made once per key)."""
-        positions = self._block_positions.get(key)
+        """Schema positions ``[n]`` of a block's rows (on the device, made once per key; kept for
+        the current version of each schema name only)."""
+        memo = self._block_positions.setdefault(schema.name, {})
+        positions = memo.get(key)
         if positions is None:
             positions = torch.tensor(schema.modules[module].position_ids, dtype=torch.long, device=self.device)
-            self._block_positions[key] = positions
+            memo[key] = positions
         return positions
 
     def resolve(self, prompt: str | ResolvedPrompt) -> ResolvedPrompt:
