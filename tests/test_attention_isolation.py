@@ -134,3 +134,17 @@ def test_falcon_alibi_builder_is_hf_s_outside_promptcache_forwards(tokenizer):  
     mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
     assert torch.equal(builder(mask, 4, torch.float32), builder.__wrapped__(mask, 4, torch.float32))
     assert adapters.current_forward() is None
+
+
+def test_an_unattached_adapter_leaves_the_model_alone(tokenizer):  # noqa: F811
+    """Reading a model's limits (the prefix cache does) must not select an attention or wrap a
+    builder: only an attached adapter (the engine's) prepares the model."""
+    for name in ("llama", "mpt"):
+        model = BY_NAME[name].build(len(tokenizer))
+        impl = model.config._attn_implementation
+        before = dict(vars(model.base_model))
+        adapter = adapter_for(model, attach=False)
+        assert adapter.max_positions() is not None or name != "llama"
+        assert model.config._attn_implementation == impl and dict(vars(model.base_model)) == before
+        adapter.attach()
+        assert model.config._attn_implementation == (ATTENTION if impl == "sdpa" else impl)

@@ -130,7 +130,7 @@ class PromptCache:
             model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dt)
             name = str(name_or_path)
             files = _local_weight_files(str(name_or_path))
-        adapter_for(model)
+        adapter_for(model, attach=False)
         model_id = model_fingerprint(model, dt, files) if files else None
         if store_dir is None or store_dir is True:
             store_dir = default_store_dir()

@@ -290,7 +290,7 @@ class ModelAdapter:
 
     families: tuple[str, ...] = ()
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, attach: bool = True) -> None:
         self.model = model
         self.config = model.config
         self.text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
@@ -304,7 +304,15 @@ class ModelAdapter:
         """Query rows per SDPA call in long masked CPU forwards (None: one call)."""
         self.grouped_kv = True
         """Hand grouped KV heads to SDPA on CPU instead of expanding them."""
-        self.owns_attention = select_attention(model)
+        self.owns_attention = False
+        if attach:
+            self.attach()
+
+    def attach(self) -> None:
+        """Prepare the model instance for promptcache forwards, once: select promptcache's
+        attention (:func:`select_attention`); families add their position hooks. An adapter made
+        with ``attach=False`` only answers questions about the model (limits, windows)."""
+        self.owns_attention = select_attention(self.model)
 
     def _layer_windows(self) -> dict[str, int | None] | int | None:
         """Sliding windows: ``{layer_type: window or None}`` when the model has sliding layer types
@@ -379,7 +387,7 @@ def _rope_parameter_sets(config) -> list[dict]:
     return [params]
 
 
-_ADAPTERS: dict[str, Callable[[torch.nn.Module], ModelAdapter]] = {}
+_ADAPTERS: dict[str, Callable[..., ModelAdapter]] = {}
 _FAMILY_MODULES = ("position_ids", "falcon", "alibi")
 
 
@@ -400,8 +408,9 @@ def supported_families() -> tuple[str, ...]:
     return tuple(sorted(_ADAPTERS))
 
 
-def adapter_for(model: torch.nn.Module) -> ModelAdapter:
-    """The adapter for ``model``'s family, or ``UnsupportedModelError`` naming the supported ones."""
+def adapter_for(model: torch.nn.Module, *, attach: bool = True) -> ModelAdapter:
+    """The adapter for ``model``'s family, or ``UnsupportedModelError`` naming the supported ones.
+    ``attach=False``: leave the model untouched (see :meth:`ModelAdapter.attach`)."""
     _load_families()
     model_type = getattr(model.config, "model_type", None)
     try:
@@ -410,6 +419,6 @@ def adapter_for(model: torch.nn.Module) -> ModelAdapter:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported; supported families: {', '.join(supported_families())}"
         ) from None
-    adapter = factory(model)
+    adapter = factory(model, attach=attach)
     log.debug("model type %r driven by %s", model_type, type(adapter).__name__)
     return adapter

@@ -61,9 +61,9 @@ def _max_positions(model) -> int | None:
     """The positions ``model`` takes: its adapter's ``max_positions()`` (the base adapter's for
     families promptcache has no adapter for, such as recurrent models)."""
     try:
-        adapter = adapter_for(model)
+        adapter = adapter_for(model, attach=False)
     except UnsupportedModelError:
-        adapter = ModelAdapter(model)
+        adapter = ModelAdapter(model, attach=False)
     return adapter.max_positions()
 
 

@@ -17,9 +17,14 @@ class _AlibiAdapter(ModelAdapter):
     builder = ""
     """Name of the base model's method that returns its ALiBi tensor."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, *, attach: bool = True) -> None:
+        super().__init__(model, attach=False)
         self._slopes = self.model_slopes()
+        if attach:
+            self.attach()
+
+    def attach(self) -> None:
+        super().attach()
         self._install_builder()
 
     def model_slopes(self) -> torch.Tensor:

@@ -48,10 +48,10 @@ def _install_position_alibi(modeling) -> None:
 class FalconAdapter(ModelAdapter):
     families = ("falcon",)
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
+    def attach(self) -> None:
+        super().attach()
         if self.config.alibi:
-            _install_position_alibi(sys.modules[type(model.base_model).__module__])
+            _install_position_alibi(sys.modules[type(self.model.base_model).__module__])
 
     def max_positions(self) -> int | None:
         return None if self.config.alibi else super().max_positions()
