@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -87,9 +88,14 @@ class BlockKeys:
         self.model_name = model_name
         self.memo_schemas = memo_schemas
         self._memo: OrderedDict[str, tuple[str, dict[tuple[str, str], BlockKey]]] = OrderedDict()
+        self._lock = threading.RLock()
         """schema digest -> (schema name, (module, scaffold) -> key), most recently used last."""
 
     def __call__(self, schema: Schema, module: str, scaffold: str = "") -> BlockKey:
+        with self._lock:
+            return self._key(schema, module, scaffold)
+
+    def _key(self, schema: Schema, module: str, scaffold: str) -> BlockKey:
         memo = self._memo_of(schema)
         key = memo.get((module, scaffold))
         if key is None:
@@ -115,7 +121,7 @@ class BlockKeys:
 
     def _make(self, schema: Schema, module: str, scaffold: str) -> BlockKey:
         mod = schema.modules[module]
-        parent = self(schema, mod.parent).digest if mod.parent is not None else ""
+        parent = self._key(schema, mod.parent, "").digest if mod.parent is not None else ""
         scope: dict[str, object] = {"parent": parent, "own": _content(mod.token_ids, mod.position_ids)}
         if scaffold:
             peers = [schema.modules[m] for m in schema.scaffolds[scaffold].members if m != module]

@@ -17,16 +17,18 @@ Blocks are ``[L, 2, H, n, D]`` tensors keyed by ``BlockKey``. Placement rules:
 On CUDA, host memory is pinned and host-to-device copies run on a side stream with
 ``non_blocking=True``; the consuming stream waits on the copy's event (no host sync). On CPU the
 "device" is host memory too: moving between the two memory tiers moves a reference, no copy.
-Budgets hold after every public call returns. Not thread-safe: one engine, one thread.
+Budgets hold after every public call returns. Thread-safe: public methods take the store's lock.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
 import os
 import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
@@ -128,8 +130,20 @@ class MemoryTier:
             self.pop(key)
 
 
+def _locked(method):
+    """Run ``method`` holding the store's lock (one caller at a time; re-entrant)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class TieredStore:
-    """Device / host / disk block store (see the module docstring).
+    """Device / host / disk block store (see the module docstring). Safe to share between
+    threads: every public method holds the store's lock.
 
     ``device_budget``, ``host_budget``, ``disk_budget``: bytes or strings like ``"2GiB"``; ``None``
     takes the default (device: a quarter of the GPU, 1 GiB on CPU; host 4 GiB; disk 20 GiB); a
@@ -170,14 +184,17 @@ class TieredStore:
         self._loading: dict[BlockKey, Future] = {}
         self._uses: dict[BlockKey, int] = {}
         """``get`` calls per key, carried across tiers so a block keeps its frequency when it moves."""
+        self._lock = threading.RLock()
 
     # -- the engine's interface -------------------------------------------------------------
 
+    @_locked
     def __contains__(self, key: BlockKey) -> bool:
         self._collect_loads()
         return (key in self.device_tier or key in self.host_tier or key in self._loading
                 or (self.disk is not None and key in self.disk))
 
+    @_locked
     def get(self, key: BlockKey) -> torch.Tensor | None:
         """The block ``[L, 2, H, n, D]`` on the store's device, moved up to the device tier; ``None``
         if no tier holds a usable copy."""
@@ -201,6 +218,7 @@ class TieredStore:
         self.disk.stats.hits += 1
         return self._promote(key, block)
 
+    @_locked
     def put(self, key: BlockKey, block: torch.Tensor) -> None:
         """Store a freshly encoded block (on the store's device): written through to disk, kept
         on the device tier (or the host tier when it exceeds the device budget)."""
@@ -213,6 +231,7 @@ class TieredStore:
         else:
             self._add_host(key, self._to_host(block))
 
+    @_locked
     def prefetch(self, keys: Iterable[BlockKey]) -> None:
         """Stage ``keys`` closer to the device without evicting anything (asynchronous)."""
         self._collect_loads()
@@ -228,6 +247,7 @@ class TieredStore:
                     self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-prefetch")
                 self._loading[key] = self._loader.submit(self.disk.read_raw, key, self.pin)
 
+    @_locked
     def record_encode(self, blocks: int, seconds: float) -> None:
         """Account ``blocks`` encoded by the engine in ``seconds`` (for ``stats``)."""
         self.encodes += blocks
@@ -235,18 +255,22 @@ class TieredStore:
 
     # -- inspection ---------------------------------------------------------------------------
 
+    @_locked
     def __len__(self) -> int:
         """Blocks held in memory (device and host tiers)."""
         return len(self.device_tier.blocks) + len(self.host_tier.blocks)
 
+    @_locked
     def keys(self) -> list[BlockKey]:
         """Keys held in memory, device tier first."""
         return list(self.device_tier.blocks) + list(self.host_tier.blocks)
 
+    @_locked
     def nbytes(self) -> int:
         """Bytes held in memory (device and host tiers)."""
         return self.device_tier.nbytes + self.host_tier.nbytes
 
+    @_locked
     def stats(self) -> dict:
         """Hits, bytes, budgets and evictions per tier; misses, loads, writes, encodes."""
         self._collect_loads()
@@ -266,6 +290,7 @@ class TieredStore:
                    encodes=self.encodes, encode_s=self.encode_s)
         return out
 
+    @_locked
     def clear(self, *, disk: bool = False) -> None:
         """Forget every block held in memory (and delete the disk tier's files when ``disk``)."""
         self._collect_loads(wait=True)
@@ -275,6 +300,7 @@ class TieredStore:
         if disk and self.disk is not None:
             self.disk.clear()
 
+    @_locked
     def close(self) -> None:
         """Finish background reads and stop the loader thread."""
         self._collect_loads(wait=True)
