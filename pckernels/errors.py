@@ -46,3 +46,34 @@ class PMLPromptTooLongError(PromptTooLongError, PMLError):
 
 class UnsupportedModelError(ValueError):
     """The model's architecture is not supported by promptcache (the message names those that are)."""
+
+
+class EngineBusyError(RuntimeError):
+    """The engine's queue of waiting requests is full; retry later (HTTP 429/503)."""
+
+
+class RequestTooLargeError(ValueError):
+    """A request can never fit the engine's KV budget, even alone; ``rows`` it needs, ``limit``."""
+
+    def __init__(self, rows: int, limit: int, bytes_per_row: int) -> None:
+        self.rows = rows
+        self.limit = limit
+        super().__init__(f"the request needs {rows} KV rows ({rows * bytes_per_row / 2**20:.1f} MiB: its modules, "
+                         f"its new tokens and max_new_tokens) but the engine's KV budget holds {limit} rows "
+                         f"({limit * bytes_per_row / 2**20:.1f} MiB); lower max_new_tokens or raise kv_budget")
+
+
+class RequestCancelled(Exception):
+    """The request was cancelled before it finished; ``token_ids`` were generated until then."""
+
+    def __init__(self, token_ids: list[int] | None = None) -> None:
+        self.token_ids = list(token_ids or [])
+        super().__init__(f"the request was cancelled after {len(self.token_ids)} tokens")
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request's deadline passed before it finished; ``token_ids`` were generated until then."""
+
+    def __init__(self, token_ids: list[int] | None = None) -> None:
+        self.token_ids = list(token_ids or [])
+        super().__init__(f"the request's deadline passed after {len(self.token_ids)} tokens")

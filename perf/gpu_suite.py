@@ -74,7 +74,7 @@ def exactness(device_tier: PromptCache, host_tier: PromptCache, n_tokens: int, n
     schema, prompt = archive_schema(device_tier.tokenizer, n_tokens, "exact")
     for engine in (device_tier, host_tier):
         engine.add_schema(schema)
-        engine.buffer.invalidate_all()
+        engine.evict_resident()
     cached = device_tier.generate(prompt, max_new_tokens=new_tokens)
     oracle = device_tier.generate(prompt, max_new_tokens=new_tokens, mode="reference")
     host = host_tier.generate(prompt, max_new_tokens=new_tokens)
@@ -90,7 +90,7 @@ def memory(device_tier: PromptCache, shape: dict) -> dict:
     keys = device_tier.store.keys()
     tokens = sum(k.tokens for k in keys)
     computed = KVShape("gpu model", layout.num_layers, layout.num_kv_heads, layout.head_dim)
-    return {"computed_bytes_per_token": computed.bytes_per_token(device_tier.buffer.data.element_size()),
+    return {"computed_bytes_per_token": computed.bytes_per_token(torch.empty(0, dtype=device_tier.dtype).element_size()),
             "store_bytes_per_token": device_tier.store.nbytes() / tokens if tokens else None, "store_tokens": tokens,
             "shape": shape}
 

@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pckernels import PMLError
 from pckernels.engine import PromptCache
-from pckernels.engine.plan import plan_cached
 
 FP32_TOL = 1e-3
 NEW_TOKENS = 6
@@ -158,24 +157,34 @@ def test_text_only_prompt_equals_baseline_suffix_positions(cache, schema):
     assert got.positions[-1] == schema.length + got.computed_tokens - 1
 
 
-def test_buffer_is_reused_and_only_grows(cache, schema):
+def test_arena_is_reused_and_blocks_stay_resident(cache, schema):
+    """Requests one after another reuse the arena's rows; a block already resident is not copied again."""
     cache.generate(PROMPTS["everything"], max_new_tokens=4)
-    ptr, allocations = cache.buffer.data.data_ptr(), cache.buffer.allocations
-    for name in ("everything", "none", "nested", "all-of-union-one"):
+    arena = cache.scheduler.arena
+    ptr, growths = arena.data.data_ptr(), arena.growths
+    placed = cache.scheduler.counters["blocks_placed"]
+    for _ in range(2):
+        cache.generate(PROMPTS["everything"], max_new_tokens=4)
+    assert cache.scheduler.counters["blocks_placed"] == placed
+    for name in ("none", "nested", "all-of-union-one"):
         cache.generate(PROMPTS[name], max_new_tokens=4)
-    assert cache.buffer.data.data_ptr() == ptr
-    assert cache.buffer.allocations == allocations
+    assert arena.data.data_ptr() == ptr and arena.growths == growths
+    assert arena.referenced_rows() == 0
 
 
 def test_poisoned_rows_never_reach_output(cache, schema):
+    """Every arena row a request reads was written for it: with every free row poisoned (finite,
+    so masked rows still contribute exactly nothing) the answer is bitwise the clean one."""
+    arena = cache.scheduler.arena
+    arena.drop_idle()
     clean = cache.generate(PROMPTS["nested"], max_new_tokens=NEW_TOKENS)
-    cache.buffer.poison_()
+    arena.drop_idle()
+    arena.poison_()
     got = cache.generate(PROMPTS["nested"], max_new_tokens=NEW_TOKENS)
     assert torch.isfinite(got.first_logits).all()
     assert got.token_ids == clean.token_ids
     assert torch.equal(got.first_logits, clean.first_logits)
-    used = plan_cached(cache.resolve(PROMPTS["nested"])).rows + NEW_TOKENS
-    assert torch.isnan(cache.buffer.data[:, :, :, used + 5:]).all()
+    assert (arena.data[:, :, :, arena.capacity - 1] == 1e3).all()
 
 
 def test_same_schema_is_not_reencoded(cache, schema):

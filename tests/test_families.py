@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from family_models import BY_NAME, FAMILIES, WINDOW
 from pckernels import PMLError, UnsupportedModelError
 from pckernels.engine import PromptCache
-from pckernels.engine.plan import plan_cached
+from pckernels.engine.plan import plan_request
 from pckernels.integration.adapters import AttentionSpec, adapter_for, probe_kv_layout, supported_families, \
     windowed_bias
 from test_engine import PROMPTS, SCHEMA
@@ -78,9 +78,13 @@ def test_oracle_prompts_have_gaps_and_slots(tokenizer):
     for prompt in ("nested-some", "everything"):
         positions = pc.resolve(PROMPTS[prompt]).position_ids
         assert list(positions) != list(range(positions[0], positions[0] + len(positions)))
-        plan = plan_cached(pc.resolve(PROMPTS[prompt]))
-        block_rows = sum(block.n_rows for block in plan.blocks)
-        assert plan.dead_rows and plan.new_rows[0] < block_rows, "arguments fill slots inside blocks"
+        resolved = pc.resolve(PROMPTS[prompt])
+        plan = plan_request(resolved)
+        hidden = [ref for ref in plan.blocks if ref.hidden]
+        assert hidden, "parameter slots are hidden in their blocks"
+        slots = {p for ref in hidden for i in ref.hidden
+                 for p in [resolved.schema.modules[ref.module].position_ids[i]]}
+        assert set(plan.new_positions) & slots, "arguments are computed at their slots' positions"
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -140,7 +144,7 @@ def test_gemma3_module_longer_than_window(tokenizer):
     pc = prompt_cache("gemma3", tokenizer)
     schema = pc.schemas["guide"]
     assert max(len(m.token_ids) for m in schema.modules.values()) > 2 * WINDOW
-    assert not any(pc._cache.is_sliding)
+    assert not any(pc.scheduler.cache.is_sliding)
     windows = pc.adapter.attention_mask(causal_spec(torch.arange(3)))
     assert set(windows) == {"sliding_attention", "full_attention"}
 
@@ -159,7 +163,7 @@ def test_kv_layout_matches_what_the_model_caches(tokenizer, family):
     for layer in cached:
         assert layer.keys.shape == (1, layout.num_kv_heads, 3, layout.head_dim), family.name
         assert layer.values.shape == layer.keys.shape
-    assert pc.buffer.data.shape[:3] == (layout.num_layers, 2, layout.num_kv_heads)
+    assert pc.scheduler.arena.data.shape[:3] == (layout.num_layers, 2, layout.num_kv_heads)
 
 
 def test_kv_probe_reads_the_model_not_its_config(tokenizer):

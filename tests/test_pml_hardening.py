@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from pckernels.pml import Limits, PMLError, parse_prompt, parse_schema
+from pckernels.pml import PMLError, parse_prompt, parse_schema
 from pml_tokenizers import byte_tokenizer
 
 TOK = byte_tokenizer()

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from pckernels.engine import PromptCache
-from pckernels.engine.plan import plan_cached, plan_reference, select_recompute, stale_tokens
+from pckernels.engine.plan import plan_reference, plan_request, select_recompute, stale_tokens
 from test_engine import FP32_TOL, NEW_TOKENS, PROMPTS, SCHEMA, tiny_llama
 
 SHARES = (0.1, 0.5, 1.0)
@@ -143,9 +143,12 @@ def test_reference_plan_duplicates_recomputed_tokens(cache):
     plain = plan_reference(resolved)
     assert len(ref.tokens) == len(plain.tokens) + len(chosen)
     assert sum(ref.live) == sum(plain.live)
-    plan = plan_cached(resolved, chosen)
+    plan = plan_request(resolved, chosen)
     assert plan.new_positions == sorted(plan.new_positions)
-    assert len(plan.new_tokens) == len(plan_cached(resolved).new_tokens) + len(chosen)
+    assert len(plan.new_tokens) == len(plan_request(resolved).new_tokens) + len(chosen)
+    assert plan.cached_tokens == plan_request(resolved).cached_tokens - len(chosen)
+    hidden = {(ref.module, i) for ref in plan.blocks for i in ref.hidden}
+    assert set(chosen) <= hidden
 
 
 @pytest.mark.parametrize("share, policy", [(-0.1, "first"), (1.5, "first"), (0.5, "random")])

@@ -36,9 +36,16 @@ def expected(model, tokenizer):
     """Outputs of a cache that never evicts (default budgets, no disk)."""
     pc = PromptCache(model, tokenizer)
     pc.add_schema(SCHEMA)
-    out = {name: pc.generate(PROMPTS[name], max_new_tokens=NEW_TOKENS) for name in ORDER}
+    out = {name: fresh(pc, PROMPTS[name], max_new_tokens=NEW_TOKENS) for name in ORDER}
     assert pc.stats()["device"]["evictions"] == 0
     return out
+
+
+def fresh(pc: PromptCache, prompt, **options):
+    """``pc.generate`` from a clean arena: every block comes from the store (the tier under test),
+    and placement — hence rounding — is the same for every engine, so results compare bitwise."""
+    pc.evict_resident()
+    return pc.generate(prompt, **options)
 
 
 def assert_same(got, want):
@@ -57,7 +64,7 @@ def assert_within_budgets(pc: PromptCache) -> None:
 def run_all(pc: PromptCache, expected, rounds: int = 2) -> None:
     for r in range(rounds):
         for name in (ORDER if r % 2 == 0 else ORDER[::-1]):
-            assert_same(pc.generate(PROMPTS[name], max_new_tokens=NEW_TOKENS), expected[name])
+            assert_same(fresh(pc, PROMPTS[name], max_new_tokens=NEW_TOKENS), expected[name])
             assert_within_budgets(pc)
 
 
@@ -120,7 +127,7 @@ def _encode_in_child(model, tokenizer, store_dir, barrier) -> None:
     pc = PromptCache(model, tokenizer, store_dir=store_dir)
     pc.add_schema(SCHEMA)
     for name in ORDER:
-        pc.generate(PROMPTS[name], max_new_tokens=1)
+        fresh(pc, PROMPTS[name], max_new_tokens=1)
 
 
 def test_two_processes_encoding_into_one_directory(model, tokenizer, tmp_path):
@@ -132,7 +139,7 @@ def test_two_processes_encoding_into_one_directory(model, tokenizer, tmp_path):
     try:
         reference = PromptCache(model, tokenizer)
         reference.add_schema(SCHEMA)
-        expected = {name: reference.generate(PROMPTS[name], max_new_tokens=NEW_TOKENS) for name in ORDER}
+        expected = {name: fresh(reference, PROMPTS[name], max_new_tokens=NEW_TOKENS) for name in ORDER}
         ctx = multiprocessing.get_context("fork")
         barrier = ctx.Barrier(2)
         children = [ctx.Process(target=_encode_in_child, args=(model, tokenizer, tmp_path, barrier))
@@ -175,7 +182,7 @@ def test_editing_one_module_keeps_the_other_blocks(model, tokenizer, tmp_path):
     want = PromptCache(model, tokenizer)
     want.add_schema(edited)
     prompt = PROMPTS["nested"]
-    assert_same(second.generate(prompt, max_new_tokens=NEW_TOKENS), want.generate(prompt, max_new_tokens=NEW_TOKENS))
+    assert_same(fresh(second, prompt, max_new_tokens=NEW_TOKENS), fresh(want, prompt, max_new_tokens=NEW_TOKENS))
 
 
 def test_keys_cover_scope_not_names(model, tokenizer):
@@ -227,10 +234,10 @@ def test_engine_position_memo_keeps_the_current_schema_versions_only(tokenizer):
     prompt = PROMPTS["everything"]
     for i in range(5):
         pc.add_schema(SCHEMA.replace("Include local food.", f"Include local food {i}."))
-        pc.generate(prompt, max_new_tokens=1)
-    assert list(pc._block_positions) == ["guide"]
+        fresh(pc, prompt, max_new_tokens=1)
+    assert list(pc.encoder._positions) == ["guide"]
     current = pc.schemas["guide"]
-    assert set(pc._block_positions["guide"]) <= {pc._block_key(current, m) for m in current.modules} | {
+    assert set(pc.encoder._positions["guide"]) <= {pc._block_key(current, m) for m in current.modules} | {
         pc._block_key(current, m, s.name) for s in current.scaffolds.values() for m in s.members}
 
 
@@ -263,7 +270,7 @@ def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, t
     restarted = PromptCache(model, tokenizer, store_dir=tmp_path)
     restarted.add_schema(SCHEMA)
     with caplog.at_level("WARNING", logger="pckernels.store.disk"):
-        got = restarted.generate(PROMPTS["all-of-union-one"], max_new_tokens=NEW_TOKENS)
+        got = fresh(restarted, PROMPTS["all-of-union-one"], max_new_tokens=NEW_TOKENS)
     assert_same(got, expected["all-of-union-one"])
     stats = restarted.stats()
     assert stats["disk"]["discarded"] == 1 and stats["encodes"] == 1
@@ -325,14 +332,14 @@ def test_union_siblings_are_prefetched(model, tokenizer, expected, tmp_path):
     PromptCache(model, tokenizer, store_dir=tmp_path).add_schema(SCHEMA)
     pc = PromptCache(model, tokenizer, store_dir=tmp_path)
     schema = pc.add_schema(SCHEMA)
-    assert_same(pc.generate(PROMPTS["all-of-union-one"], max_new_tokens=NEW_TOKENS), expected["all-of-union-one"])
+    assert_same(fresh(pc, PROMPTS["all-of-union-one"], max_new_tokens=NEW_TOKENS), expected["all-of-union-one"])
     tokyo = pc._block_key(schema, "tokyo")
     deadline = time.monotonic() + 10
     while pc.stats()["prefetched"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert tokyo in pc.store.host_tier
     loads = pc.stats()["disk"]["loads"]
-    assert_same(pc.generate(PROMPTS["other-member"], max_new_tokens=NEW_TOKENS), expected["other-member"])
+    assert_same(fresh(pc, PROMPTS["other-member"], max_new_tokens=NEW_TOKENS), expected["other-member"])
     stats = pc.stats()
     assert stats["disk"]["loads"] == loads and stats["host"]["hits"] >= 1
     pc.store.close()

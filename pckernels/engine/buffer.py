@@ -129,10 +129,6 @@ class AssemblyBuffer:
         bias = self.row_bias[:rows].unsqueeze(0).expand(visible.shape)
         return AttentionSpec(torch.where(visible, bias, torch.full_like(bias, NEG_INF)), query_pos, key_pos)
 
-    def decode_attention(self, query_pos: torch.Tensor, rows: int) -> AttentionSpec:
-        """One query past every row (decoding): it sees all live rows ``0 .. rows - 1``."""
-        return AttentionSpec(self.row_bias[:rows].view(1, rows), query_pos, self.row_pos[:rows])
-
 
 class _BufferLayer(CacheLayerMixin):
     """One layer's view of the assembly buffer: ``update`` writes the new rows in place and

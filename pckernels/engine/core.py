@@ -1,39 +1,45 @@
-"""PromptCache: encode schema modules once, assemble them per prompt, generate."""
+"""PromptCache: encode schema modules once; answer prompts from many threads in shared batches.
+
+The façade over the engine's rooms: :mod:`~pckernels.engine.encoder` (modules into the store),
+:mod:`~pckernels.engine.plan` (a prompt into blocks and new tokens),
+:mod:`~pckernels.engine.scheduler` (one thread, one decode loop, shared KV arena) and the prefix
+cache for prompts without PML.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from transformers import DynamicCache
 
-from pckernels.engine.buffer import AssemblyBuffer, BufferCache, Placement
 from pckernels.engine.deviation import DeviationScores
+from pckernels.engine.encoder import ModuleEncoder
 from pckernels.engine.options import check_load_options, resolve_device, resolve_dtype
-from pckernels.engine.plan import CachedPlan, plan_cached, plan_reference, select_recompute
-from pckernels import ops
+from pckernels.engine.plan import (RequestPlan, plan_request, plan_request_baseline, plan_request_reference,
+                                   select_recompute)
+from pckernels.engine.request import PrefixPrefill, Request, RequestHandle, SamplingParams
 from pckernels.engine.result import GenerationResult
-from pckernels.engine.sampling import StopChecker, make_generator, select_token
+from pckernels.engine.scheduler import Scheduler
 from pckernels.errors import PMLError, PMLPromptTooLongError
-from pckernels.integration.adapters import AttentionSpec, ModelAdapter, adapter_for
+from pckernels.integration.adapters import ModelAdapter, adapter_for
 from pckernels.integration.identity import model_fingerprint, weight_files
 from pckernels.pml import check_answerable, parse_prompt, parse_schema
 from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
 from pckernels.store import BlockKey, BlockKeys, TieredStore, default_store_dir, parse_budgets
+from pckernels.store.tiered import parse_size
 
 log = logging.getLogger(__name__)
 
 MODES = ("cached", "reference", "baseline")
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+DEFAULT_CPU_KV_BUDGET = 2 << 30
+"""KV arena bytes on CPU when ``kv_budget`` is not given (on CUDA: a quarter of the device)."""
 
 
 def default_device() -> torch.device:
@@ -47,13 +53,28 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-class PromptCache:
-    """Modular KV reuse over a HuggingFace causal LM.
+def default_kv_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 4
+    return DEFAULT_CPU_KV_BUDGET
 
-    ``add_schema`` encodes every module of a PML schema once; ``generate`` answers a PML prompt
-    by copying the imported modules' KV into a reusable buffer and computing only the new
-    tokens. Modes: ``cached`` (the product), ``reference`` (the exactness oracle: one full forward
-    with the module-scoped mask) and ``baseline`` (plain causal prefill, no reuse).
+
+class PromptCache:
+    """Modular KV reuse over a HuggingFace causal LM, safe to call from many threads at once.
+
+    ``add_schema`` encodes every module of a PML schema once; ``generate`` / ``stream`` answer a
+    PML prompt computing only its new tokens over the imported modules' cached states;
+    ``complete`` answers any prompt with exact prefix reuse. Modes: ``cached`` (the product),
+    ``reference`` (the exactness oracle: every token computed with the module-scoped mask) and
+    ``baseline`` (plain causal prefill, no reuse).
+
+    Every call becomes a request run by the engine's scheduler thread: concurrent calls (threads,
+    interleaved streams) are batched into shared forwards — each module is placed once in a KV
+    arena and read by every request that imports it — and each gets what it would get alone, to
+    rounding (``docs/engine.md``). ``submit`` returns a :class:`RequestHandle` (streaming,
+    ``cancel()``, deadlines). ``kv_budget`` bytes bound the arena (default: 2 GiB on CPU, a quarter
+    of the GPU); ``max_queue`` waiting requests before ``EngineBusyError``; ``max_batch`` running
+    requests; ``step_tokens`` prompt tokens read per forward.
 
     Encoded blocks live in a ``TieredStore`` (``docs/store.md``): ``device_budget`` and
     ``host_budget`` bytes (or ``"2GiB"``-style strings; ``None``: a quarter of the GPU or 1 GiB on
@@ -70,8 +91,10 @@ class PromptCache:
                  dtype: torch.dtype | None = None, name: str | None = None,
                  store_dir: str | os.PathLike | None = None, device_budget: int | str | None = None,
                  host_budget: int | str | None = None, disk_budget: int | str | None = None,
-                 model_id: str | None = None) -> None:
+                 model_id: str | None = None, kv_budget: int | str | None = None, max_queue: int = 256,
+                 max_batch: int = 64, step_tokens: int = 2048) -> None:
         budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
+        kv_bytes = None if kv_budget is None else parse_size(kv_budget, "kv_budget")
         self.device = resolve_device(device) if device is not None else next(model.parameters()).device
         self.dtype = resolve_dtype(dtype) or next(model.parameters()).dtype
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -79,35 +102,42 @@ class PromptCache:
         self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         self.adapter: ModelAdapter = adapter_for(self.model)
         self.layout = self.adapter.kv_layout()
+        self.max_positions = self.adapter.max_positions()
         self.model_id = model_id or model_fingerprint(self.model, self.dtype)
         self.store = TieredStore(self.device, disk_dir=store_dir, **budgets)
         self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.device.type, self.name,
                                      layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
                                      dtype=self.dtype)
         self.schemas: dict[str, Schema] = {}
-        self._block_positions: dict[str, dict[BlockKey, torch.Tensor]] = {}
-        self.buffer = AssemblyBuffer(self.layout, dtype=self.dtype, device=self.device)
-        self._cache = BufferCache(self.buffer)
-        self._encode_buffer = AssemblyBuffer(self.layout, dtype=self.dtype, device=self.device)
-        self._encode_cache = BufferCache(self._encode_buffer)
+        self.model_lock = threading.RLock()
+        """Held by whoever runs the model: the scheduler's steps, encoding, deviation scoring."""
+        self.encoder = ModuleEncoder(self.adapter, self.store, self.layout, dtype=self.dtype, device=self.device,
+                                     block_key=self.block_key)
         self.deviation = DeviationScores(self)
         self._prefix = None
+        self._prefix_lock = threading.Lock()
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_ids = eos_ids
+        bytes_per_row = (self.layout.num_layers * 2 * self.layout.num_kv_heads * self.layout.head_dim
+                         * torch.empty(0, dtype=self.dtype).element_size())
+        kv_bytes = default_kv_budget(self.device) if kv_bytes is None else kv_bytes
+        self.scheduler = Scheduler(self, max_rows=max(1, kv_bytes // bytes_per_row), max_queue=max_queue,
+                                   max_batch=max_batch, step_tokens=step_tokens)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2", *, device: str | torch.device | None = None,
                         dtype: torch.dtype | str | None = None, store_dir: str | os.PathLike | bool | None = None,
                         device_budget: int | str | None = None, host_budget: int | str | None = None,
-                        disk_budget: int | str | None = None) -> "PromptCache":
+                        disk_budget: int | str | None = None, **engine) -> "PromptCache":
         """Load a model: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct; otherwise a HF model
         id or local path (loaded offline from the local HF cache when no network is available).
 
         ``store_dir``: the disk tier's directory; ``None`` (or ``True``) is ``default_store_dir()``
-        (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class.
+        (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class;
+        ``engine``: the class's scheduler options (``kv_budget``, ``max_queue``, ...).
 
         Bad options are refused before the model is loaded: a budget, an unknown or unavailable
         device or an unknown dtype with a ``ValueError``, a missing local model directory with a
@@ -115,6 +145,8 @@ class PromptCache:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
+        if engine.get("kv_budget") is not None:
+            parse_size(engine["kv_budget"], "kv_budget")
         device, dtype = check_load_options(name_or_path, device, dtype)
         dev = device if device is not None else default_device()
         dt = dtype or default_dtype(dev)
@@ -136,32 +168,57 @@ class PromptCache:
             store_dir = default_store_dir()
         return cls(model, tokenizer, device=dev, dtype=dt, name=name, store_dir=store_dir or None,
                    device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget,
-                   model_id=model_id)
+                   model_id=model_id, **engine)
+
+    # -- schemas ----------------------------------------------------------------------------------
 
     def add_schema(self, text_or_path: str | os.PathLike, *, progress: bool = False) -> Schema:
         """Parse a schema (PML text or a file path) and encode all of its modules and scaffolds.
 
         The same schema text again encodes nothing. Raises ``PMLError`` on bad input, leaving the
-        cache unchanged.
+        cache unchanged. Requests already running keep the version they were submitted with.
         """
         text, base_dir = _read_source(text_or_path)
-        schema = parse_schema(text, self.tokenizer, base_dir=base_dir, max_positions=self.adapter.max_positions())
+        schema = parse_schema(text, self.tokenizer, base_dir=base_dir, max_positions=self.max_positions)
         previous = self.schemas.get(schema.name)
         if previous is not None and previous.digest == schema.digest:
             return previous
-        self._block_positions.pop(schema.name, None)
-        self._encode_schema(schema, progress=progress)
+        with self.model_lock:
+            self.encoder.forget(schema.name)
+            self.encoder.encode_schema(schema, progress=progress)
         self.schemas[schema.name] = schema
         return schema
 
-    def _block_key(self, schema: Schema, module: str, scaffold: str = "") -> BlockKey:
+    def block_key(self, schema: Schema, module: str, scaffold: str = "") -> BlockKey:
+        """The store key of ``module``'s block in ``schema`` (jointly encoded within ``scaffold``)."""
         return self._block_keys(schema, module, scaffold)
+
+    _block_key = block_key
+
+    def fetch_block(self, schema: Schema, module: str, scaffold: str = "") -> torch.Tensor:
+        """A module's block ``[L, 2, H, n, D]`` from the store, encoded again if no tier holds it
+        (call with the model lock held)."""
+        return self.encoder.fetch(schema, module, scaffold)
+
+    _fetch_block = fetch_block
+
+    def block_positions(self, schema: Schema, module: str, key: BlockKey) -> torch.Tensor:
+        return self.encoder.positions(schema, module, key)
+
+    def prefetch_siblings(self, schema: Schema, modules: list[str]) -> None:
+        """Stage the union siblings of ``modules`` (likely next) closer to the device."""
+        used = set(modules)
+        unions = {schema.modules[m].union for m in used} - {None}
+        siblings = [m for u in sorted(unions) for m in schema.unions.get(u, ()) if m not in used]
+        self.store.prefetch(self.block_key(schema, sibling) for sibling in siblings)
 
     def stats(self) -> dict:
         """The block store's counters: hits, entries, bytes, budget and evictions per tier (device,
         host, disk), misses, disk loads/writes/discards with their seconds, encodes and encode time;
+        under ``"engine"`` the scheduler's (requests, steps, batch sizes, arena rows and blocks);
         under ``"prefix"`` the prefix cache's counters once ``complete`` has been used."""
         out = self.store.stats()
+        out["engine"] = self.scheduler.stats()
         if self._prefix is not None:
             out["prefix"] = self._prefix.stats()
         return out
@@ -170,122 +227,16 @@ class PromptCache:
     def prefix(self):
         """The exact prefix cache over this model (:class:`pckernels.prefix.PrefixCache`), made on first use;
         full blocks it evicts spill into this engine's block store (``docs/prefix.md``)."""
-        if self._prefix is None:
-            from pckernels.prefix import PrefixCache
+        with self._prefix_lock:
+            if self._prefix is None:
+                from pckernels.prefix import PrefixCache
 
-            self._prefix = PrefixCache(self.model, self.tokenizer, spill=self.store, spill_model_id=self.model_id)
-        return self._prefix
+                with self.model_lock:
+                    self._prefix = PrefixCache(self.model, self.tokenizer, spill=self.store,
+                                               spill_model_id=self.model_id)
+            return self._prefix
 
-    def complete(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,
-                 top_p: float = 1.0, stop: str | list[str] | None = None,
-                 seed: int | None = None) -> GenerationResult:
-        """Generate after any prompt — text, token ids or chat messages, no PML needed — reusing
-        the longest cached prefix exactly (``docs/prefix.md``); ``reuse=False`` computes it all in
-        the same chunks, so both give bitwise-equal first logits and equal greedy tokens."""
-        return self.prefix.complete(prompt, max_new_tokens=max_new_tokens, reuse=reuse, temperature=temperature,
-                                    top_p=top_p, stop=stop, seed=seed)
-
-    @torch.inference_mode()
-    def _encode_schema(self, schema: Schema, *, progress: bool) -> None:
-        units: list[tuple[str, tuple[str, ...]]] = [("", (name,)) for name, m in schema.modules.items() if m.cached]
-        units += [(s.name, s.members) for s in schema.scaffolds.values()]
-        todo = [u for u in units if self._block_key(schema, u[1][0], u[0]) not in self.store]
-        if not todo:
-            return
-        t0 = time.perf_counter()
-        tokens = sum(len(schema.modules[m].token_ids) for _, members in todo for m in members)
-        iterator = todo
-        if progress:
-            from rich.progress import track
-
-            iterator = track(todo, description=f"encoding {schema.name}", transient=True)
-        for scaffold, members in iterator:
-            self._encode_unit(schema, scaffold, members)
-        log.info("encoded %d blocks (%d tokens) of schema %r in %.2f s", len(todo), tokens, schema.name,
-                 time.perf_counter() - t0)
-
-    def _encode_unit(self, schema: Schema, scaffold: str, members: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """Encode ``members`` (one module, or a scaffold's members jointly) over their ancestors'
-        blocks, attending causally by position; store and return one block per member."""
-        modules = schema.modules
-        context = [a for a in reversed(modules[members[0]].ancestors(modules))]
-        own = sorted(((p, t, m) for m in members for p, t in zip(modules[m].position_ids, modules[m].token_ids)))
-        buf = self._encode_buffer
-        ctx_rows = sum(len(modules[a].token_ids) for a in context)
-        total = ctx_rows + len(own)
-        buf.ensure_capacity(total)
-        self._place_blocks(buf, schema, [(a, "") for a in context], start_row=0)
-        t0 = time.perf_counter()
-        if own:
-            positions = torch.tensor([p for p, _, _ in own], dtype=torch.long, device=self.device)
-            buf.row_pos[ctx_rows:total] = positions
-            buf.row_bias[:total] = 0
-            ids = torch.tensor([[t for _, t, _ in own]], dtype=torch.long, device=self.device)
-            self._encode_cache.prepare(rows=None, start=ctx_rows, extent=total)
-            self.adapter.forward(ids, positions[None], buf.attention(positions, total), self._encode_cache)
-            buf.invalidate_rows(ctx_rows, total)
-        offset = ctx_rows
-        encoded = {}
-        for member in members:
-            n = len(modules[member].token_ids)
-            rows = [offset + i for i, (_, _, m) in enumerate(own) if m == member]
-            index = torch.tensor(rows, dtype=torch.long, device=self.device)
-            block = buf.data.index_select(3, index) if n else buf.data[:, :, :, :0].clone()
-            self.store.put(self._block_key(schema, member, scaffold), block)
-            encoded[member] = block
-        _sync(self.device)
-        self.store.record_encode(len(members), time.perf_counter() - t0)
-        return encoded
-
-    def _place_blocks(self, buf: AssemblyBuffer, schema: Schema, blocks: list[tuple[str, str]],
-                      start_row: int) -> None:
-        """Put ``(module, scaffold)`` blocks in consecutive rows from ``start_row`` with one
-        gather-concat over the row ranges that do not already hold them; set their positions.
-
-        The blocks those rows lack are fetched from the store first (any that no tier holds is
-        re-encoded, which uses the encode buffer and may displace rows there, hence the loop);
-        the union siblings of the placed modules are then prefetched."""
-        placements, row = [], start_row
-        for module, scaffold in blocks:
-            key = self._block_key(schema, module, scaffold)
-            placements.append(Placement(key, 0, row, key.tokens))
-            row += key.tokens
-        fetched: dict[BlockKey, torch.Tensor] = {}
-        while lacking := [(b, p.key) for b, p in zip(blocks, placements)
-                          if p.n_rows and p.key not in fetched and buf.missing(p)]:
-            for (module, scaffold), key in lacking:
-                fetched[key] = self._fetch_block(schema, module, scaffold)
-        sources: list[torch.Tensor] = []
-        table: list[tuple[int, int, int, int]] = []
-        for (module, _), placement in zip(blocks, placements):
-            gaps = buf.missing(placement) if placement.n_rows else []
-            if gaps:
-                sources.append(fetched[placement.key])
-                table.extend((len(sources) - 1, g.src_row, g.dst_row, g.n_rows) for g in gaps)
-                buf.row_pos[placement.dst_row:placement.dst_row + placement.n_rows] = self._positions(
-                    schema, module, placement.key)
-                buf.mark_resident(placement)
-        self.store.prefetch(self._block_key(schema, sibling) for sibling in _union_siblings(schema, blocks))
-        if table:
-            ops.gather_concat(buf.data, sources, torch.tensor(table, dtype=torch.int64))
-
-    def _fetch_block(self, schema: Schema, module: str, scaffold: str) -> torch.Tensor:
-        """The block ``[L, 2, H, n, D]`` from the store, re-encoded (its whole scaffold) if no tier holds it."""
-        block = self.store.get(self._block_key(schema, module, scaffold))
-        if block is None:
-            members = schema.scaffolds[scaffold].members if scaffold else (module,)
-            block = self._encode_unit(schema, scaffold, members)[module]
-        return block
-
-    def _positions(self, schema: Schema, module: str, key: BlockKey) -> torch.Tensor:
-        """Schema positions ``[n]`` of a block's rows (on the device, made once per key; kept for
-        the current version of each schema name only)."""
-        memo = self._block_positions.setdefault(schema.name, {})
-        positions = memo.get(key)
-        if positions is None:
-            positions = torch.tensor(schema.modules[module].position_ids, dtype=torch.long, device=self.device)
-            memo[key] = positions
-        return positions
+    # -- requests ---------------------------------------------------------------------------------
 
     def resolve(self, prompt: str | ResolvedPrompt) -> ResolvedPrompt:
         """Parse a PML prompt against the added schemas."""
@@ -293,179 +244,142 @@ class PromptCache:
             return prompt
         return parse_prompt(prompt, self.schemas)
 
+    def request(self, prompt: str | ResolvedPrompt, *, max_new_tokens: int = 64, mode: str = "cached",
+                temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
+                seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
+                deadline_s: float | None = None) -> Request:
+        """Parse and plan a PML prompt into a :class:`Request` (in the calling thread: bad input
+        raises here and changes nothing). Arguments as in :meth:`generate`."""
+        submitted = time.perf_counter()
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        params = _params(max_new_tokens, temperature, top_p, stop, seed)
+        resolved = self.resolve(prompt)
+        check_answerable(resolved, baseline=mode == "baseline")
+        limit = self.max_positions
+        last_pos = max(resolved.position_ids) if mode != "baseline" else len(resolved.token_ids) - 1
+        if limit is not None and last_pos + 1 >= limit:
+            raise PMLPromptTooLongError(last_pos, limit)
+        if mode == "baseline" and recompute:
+            raise ValueError("recompute applies to the cached and reference modes, not baseline")
+        recomputed = select_recompute(resolved, recompute, recompute_policy, lambda: self._deviation(resolved))
+        if mode == "baseline":
+            plan: RequestPlan = plan_request_baseline(resolved)
+            positions = list(range(len(resolved.token_ids)))
+        elif mode == "reference":
+            plan = plan_request_reference(resolved, recomputed)
+            positions = list(resolved.position_ids)
+        else:
+            plan = plan_request(resolved, recomputed)
+            positions = list(resolved.position_ids)
+        return Request(params, mode, list(resolved.token_ids), positions, plan=plan, schema=resolved.schema,
+                       deadline=_deadline(deadline_s), submitted=submitted)
+
+    def _deviation(self, resolved: ResolvedPrompt):
+        with self.model_lock:
+            return self.deviation.for_schema(resolved.schema)
+
+    def submit(self, request: Request | str | ResolvedPrompt, **options) -> RequestHandle:
+        """Queue a request (a :class:`Request`, or a PML prompt with :meth:`request`'s options) and
+        return its handle at once; the scheduler batches it with whatever else is running."""
+        if not isinstance(request, Request):
+            request = self.request(request, **options)
+        elif options:
+            raise TypeError("options go into the Request when one is given")
+        return self.scheduler.submit(request)
+
     def generate(self, prompt: str | ResolvedPrompt, *, max_new_tokens: int = 64, mode: str = "cached",
                  temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
-                 seed: int | None = None, recompute: float = 0.0,
-                 recompute_policy: str = "first") -> GenerationResult:
+                 seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
+                 deadline_s: float | None = None) -> GenerationResult:
         """Answer a PML prompt. See the class docstring for ``mode``.
 
         ``recompute`` (cached and reference modes): the share of the imported modules' stale
         tokens (``plan.stale_tokens``) computed afresh in the prompt's forward, attending like
         uncached text, their new states replacing the cached ones; ``recompute_policy`` picks
         them: ``"first"`` tokens of each module or highest ``"deviation"`` (``docs/fidelity.md``).
+        ``deadline_s``: seconds after which the request fails with ``DeadlineExceeded``.
         """
-        run = self._run(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                        top_p=top_p, stop=stop, seed=seed, recompute=recompute, recompute_policy=recompute_policy)
-        return _drain(run)
+        return self.submit(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, top_p=top_p,
+                           stop=stop, seed=seed, recompute=recompute, recompute_policy=recompute_policy,
+                           deadline_s=deadline_s).result()
 
     def stream(self, prompt: str | ResolvedPrompt, *, max_new_tokens: int = 64, mode: str = "cached",
                temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
-               seed: int | None = None, recompute: float = 0.0,
-               recompute_policy: str = "first") -> Iterator[str]:
-        """Like ``generate`` but yields the answer's text as it is produced."""
-        run = self._run(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                        top_p=top_p, stop=stop, seed=seed, recompute=recompute, recompute_policy=recompute_policy)
-        emitted = ""
+               seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
+               deadline_s: float | None = None) -> Iterator[str]:
+        """Like ``generate`` but yields the answer's text as it is produced. Closing the generator
+        early cancels the request."""
+        handle = self.submit(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
+                             top_p=top_p, stop=stop, seed=seed, recompute=recompute,
+                             recompute_policy=recompute_policy, deadline_s=deadline_s)
+        return self._text_stream(handle)
+
+    def _text_stream(self, handle: RequestHandle) -> Iterator[str]:
+        emitted, ids = "", []
         try:
-            while True:
-                text = next(run)
+            for token in handle:
+                ids.append(token)
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 if len(text) > len(emitted) and not text.endswith("\ufffd"):
                     yield text[len(emitted):]
                     emitted = text
-        except StopIteration as done:
-            final = done.value.text
+            final = handle.result().text
             if len(final) > len(emitted):
                 yield final[len(emitted):]
+        finally:
+            handle.cancel()
 
-    @torch.inference_mode()
-    def _run(self, prompt, *, max_new_tokens: int, mode: str, temperature: float, top_p: float, stop, seed,
-             recompute: float = 0.0, recompute_policy: str = "first"):
-        t0 = time.perf_counter()
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        resolved = self.resolve(prompt)
-        check_answerable(resolved, baseline=mode == "baseline")
-        limit = self.adapter.max_positions()
-        last_pos = max(resolved.position_ids) if mode != "baseline" else len(resolved.token_ids) - 1
-        if limit is not None and last_pos + 1 >= limit:
-            raise PMLPromptTooLongError(last_pos, limit)
-        if mode == "baseline" and recompute:
-            raise ValueError("recompute applies to the cached and reference modes, not baseline")
-        recomputed = select_recompute(resolved, recompute, recompute_policy,
-                                      lambda: self.deviation.for_schema(resolved.schema))
-        generator = make_generator(seed)
-        if mode == "baseline":
-            logits, positions, cached, computed, step = self._prefill_baseline(resolved)
-        elif mode == "reference":
-            logits, positions, cached, computed, step = self._prefill_reference(resolved, max_new_tokens, recomputed)
-        else:
-            logits, positions, cached, computed, step = self._prefill_cached(resolved, max_new_tokens, recomputed)
-        first_logits = logits[-1].float()
-        token = select_token(first_logits, temperature=temperature, top_p=top_p, generator=generator)
-        _sync(self.device)
-        ttft = time.perf_counter() - t0
-        stopper = StopChecker(self.tokenizer, stop, self.eos_ids)
-        out_ids = [token]
-        next_pos = positions[-1] + 1 if mode == "baseline" else max(positions) + 1
-        done, reason = stopper.check(out_ids)
-        while not done and len(out_ids) < max_new_tokens:
-            if limit is not None and next_pos >= limit:
-                reason = "length"
-                break
-            yield self.tokenizer.decode(out_ids, skip_special_tokens=True)
-            logits = step(token, next_pos)
-            token = select_token(logits[-1].float(), temperature=temperature, top_p=top_p, generator=generator)
-            out_ids.append(token)
-            next_pos += 1
-            done, reason = stopper.check(out_ids)
-        if not done:
-            reason = "length"
-        _sync(self.device)
-        text = stopper.trim(self.tokenizer.decode(out_ids, skip_special_tokens=True))
-        return GenerationResult(
-            text=text, token_ids=out_ids, prompt_token_ids=list(resolved.token_ids), positions=list(positions),
-            ttft_s=ttft, total_s=time.perf_counter() - t0, cached_tokens=cached, computed_tokens=computed,
-            first_logits=first_logits.cpu(), mode=mode, finish_reason=reason,
-        )
+    def complete_request(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,
+                         top_p: float = 1.0, stop: str | list[str] | None = None, seed: int | None = None,
+                         deadline_s: float | None = None) -> Request:
+        """A plain prompt (text, token ids or chat messages) as a :class:`Request` for exact
+        prefix reuse; arguments as in :meth:`complete`."""
+        from pckernels.prefix.prompts import encode_prompt
 
-    def _prefill_cached(self, resolved: ResolvedPrompt, max_new_tokens: int, recomputed=frozenset()):
-        plan: CachedPlan = plan_cached(resolved, recomputed)
-        buf = self.buffer
-        buf.ensure_capacity(plan.rows + max_new_tokens)
-        self._place_blocks(buf, resolved.schema, [(b.module, b.scaffold) for b in plan.blocks], start_row=0)
-        buf.row_bias[:plan.rows] = 0
-        if plan.dead_rows:
-            buf.row_bias[torch.tensor(plan.dead_rows, device=self.device)] = float("-inf")
-        positions = torch.tensor(plan.new_positions, dtype=torch.long, device=self.device)
-        ids = torch.tensor([plan.new_tokens], dtype=torch.long, device=self.device)
-        if plan.new_rows_contiguous:
-            start, rows = plan.new_rows[0], None
-            buf.row_pos[start:start + len(plan.new_rows)] = positions
-        else:
-            start = 0
-            rows = torch.tensor(plan.new_rows, dtype=torch.long, device=self.device)
-            buf.row_pos[rows] = positions
-        for span_start, span_stop in plan.overwritten_spans:
-            buf.invalidate_rows(span_start, span_stop)
-        self._cache.prepare(rows=rows, start=start, extent=plan.rows)
-        logits = self.adapter.forward(ids, positions[None], buf.attention(positions, plan.rows), self._cache)
-        step = self._decode_step(plan.rows)
-        all_positions = list(resolved.position_ids)
-        computed = len(plan.new_tokens)
-        return logits, all_positions, plan.cached_tokens, computed, step
+        submitted = time.perf_counter()
+        params = _params(max_new_tokens, temperature, top_p, stop, seed)
+        ids = encode_prompt(self.tokenizer, prompt)
+        self.prefix.check_length(len(ids))
+        return Request(params, "prefix", list(ids), list(range(len(ids))), prefix=PrefixPrefill(list(ids), reuse),
+                       deadline=_deadline(deadline_s), submitted=submitted)
 
-    def _prefill_reference(self, resolved: ResolvedPrompt, max_new_tokens: int, recomputed=frozenset()):
-        ref = plan_reference(resolved, recomputed)
-        buf = self.buffer
-        n = len(ref.tokens)
-        buf.ensure_capacity(n + max_new_tokens)
-        buf.invalidate_all()
-        positions = torch.tensor(ref.positions, dtype=torch.long, device=self.device)
-        buf.row_pos[:n] = positions
-        live = torch.tensor(ref.live, dtype=torch.bool, device=self.device)
-        buf.row_bias[:n] = torch.where(live, 0.0, float("-inf")).to(self.dtype)
-        bias = torch.zeros(n, n, dtype=self.dtype, device=self.device)
-        bias.masked_fill_(~ref.mask.to(self.device), float("-inf"))
-        ids = torch.tensor([ref.tokens], dtype=torch.long, device=self.device)
-        self._cache.prepare(rows=None, start=0, extent=n)
-        logits = self.adapter.forward(ids, positions[None], AttentionSpec(bias, positions, positions), self._cache)
-        step = self._decode_step(n)
-        return logits, list(resolved.position_ids), 0, n, step
+    def complete(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,
+                 top_p: float = 1.0, stop: str | list[str] | None = None, seed: int | None = None,
+                 deadline_s: float | None = None) -> GenerationResult:
+        """Generate after any prompt — text, token ids or chat messages, no PML needed — reusing
+        the longest cached prefix exactly (``docs/prefix.md``); ``reuse=False`` computes it all in
+        the same chunks, so both give bitwise-equal first logits. The prompt is read alone; its
+        decoding joins the batch of whatever else is running."""
+        return self.submit(self.complete_request(prompt, max_new_tokens=max_new_tokens, reuse=reuse,
+                                                 temperature=temperature, top_p=top_p, stop=stop, seed=seed,
+                                                 deadline_s=deadline_s)).result()
 
-    def _prefill_baseline(self, resolved: ResolvedPrompt):
-        ids = torch.tensor([resolved.token_ids], dtype=torch.long, device=self.device)
-        n = ids.shape[1]
-        positions = torch.arange(n, device=self.device)[None]
-        cache = DynamicCache(config=self.model.config)
-        logits = self.adapter.forward(ids, positions, None, cache)
+    def evict_resident(self) -> int:
+        """Forget the module blocks the arena keeps resident for no running request (the next
+        request copies them from the store again); returns how many. Placement, and so rounding,
+        then starts from a clean arena: a prompt answered right after this gives bitwise the same
+        result every time."""
+        with self.model_lock:
+            return self.scheduler.arena.drop_idle()
 
-        def step(token: int, pos: int) -> torch.Tensor:
-            tok = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            return self.adapter.forward(tok, torch.tensor([[pos]], device=self.device), None, cache)
-
-        return logits, list(range(n)), 0, n, step
-
-    def _decode_step(self, rows: int):
-        """A closure that appends one decoded token at the next row and returns its logits."""
-        buf, cache = self.buffer, self._cache
-        state = {"row": rows}
-
-        def step(token: int, pos: int) -> torch.Tensor:
-            row = state["row"]
-            if row >= buf.capacity:
-                raise RuntimeError("assembly buffer overflow while decoding")
-            buf.invalidate_rows(row, row + 1)
-            buf.row_pos[row] = pos
-            buf.row_bias[row] = 0
-            cache.prepare(rows=None, start=row, extent=row + 1)
-            tok = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            query_pos = torch.tensor([pos], device=self.device)
-            logits = self.adapter.forward(tok, query_pos[None], buf.decode_attention(query_pos, row + 1), cache)
-            state["row"] = row + 1
-            return logits
-
-        return step
+    def close(self) -> None:
+        """Stop the scheduler (requests still waiting or running fail) and the store's loader."""
+        self.scheduler.close()
+        self.store.close()
 
 
-def _drain(run) -> GenerationResult:
-    """Run a ``_run`` generator to completion and return its result."""
-    while True:
-        try:
-            next(run)
-        except StopIteration as done:
-            return done.value
+def _params(max_new_tokens, temperature, top_p, stop, seed) -> SamplingParams:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    return SamplingParams(max_new_tokens, temperature, top_p, stops, seed)
+
+
+def _deadline(seconds: float | None) -> float | None:
+    if seconds is None:
+        return None
+    if seconds <= 0:
+        raise ValueError(f"deadline_s must be positive, got {seconds}")
+    return time.monotonic() + seconds
 
 
 def _local_weight_files(name_or_path: str) -> list[Path]:
@@ -493,11 +407,3 @@ def _read_source(text_or_path: str | os.PathLike) -> tuple[str | bytes, Path | N
         except OSError as exc:
             raise PMLError(f"cannot read schema file {str(path)!r}: {exc.strerror or exc}") from None
     return str(text_or_path), None
-
-
-def _union_siblings(schema: Schema, blocks: list[tuple[str, str]]) -> list[str]:
-    """Members of the unions of ``blocks``' modules that are not among them (likely next)."""
-    used = {module for module, _ in blocks}
-    unions = {schema.modules[m].union for m in used} - {None}
-    return [m for u in sorted(unions) for m in schema.unions.get(u, ()) if m not in used]
-

@@ -1,5 +1,6 @@
-"""From a resolved prompt to what the forward needs: which cached blocks go to which rows,
-which rows are computed fresh, which are dead; and the module-scoped mask of the oracle."""
+"""From a resolved prompt to what the engine needs: which cached blocks a request reads (and which
+of their rows it must not see), which tokens it computes; the module-scoped mask of the oracle;
+which stale tokens to recompute."""
 
 from __future__ import annotations
 
@@ -29,56 +30,6 @@ def module_scope(schema: Schema, module: str, scaffold: str = "") -> frozenset[s
     if scaffold:
         scope.update(schema.scaffolds[scaffold].members)
     return frozenset(scope)
-
-
-@dataclass(frozen=True)
-class BlockUse:
-    """One imported module's block placed at ``dst_row``; ``dead_rows`` are buffer rows of its
-    parameter slots that no argument token fills."""
-
-    module: str
-    scaffold: str
-    dst_row: int
-    n_rows: int
-
-
-@dataclass
-class CachedPlan:
-    """Everything the cached forward needs (plain Python data; tensors are made by the engine).
-
-    ``blocks``: imported modules in document order with their buffer rows.
-    ``new_tokens/new_positions/new_rows``: tokens computed by the forward (arguments, text and
-    recomputed module tokens) in position order.
-    ``dead_rows``: unused parameter-slot rows. ``rows``: rows in use after the prompt.
-    """
-
-    blocks: list[BlockUse]
-    new_tokens: list[int]
-    new_positions: list[int]
-    new_rows: list[int]
-    dead_rows: list[int]
-    rows: int
-    cached_tokens: int
-    recomputed_blocks: frozenset[str] = frozenset()
-    """Modules some of whose rows are overwritten by recomputed tokens."""
-
-    @property
-    def new_rows_contiguous(self) -> bool:
-        rows = self.new_rows
-        return not rows or rows == list(range(rows[0], rows[0] + len(rows)))
-
-    @property
-    def overwritten_spans(self) -> list[tuple[int, int]]:
-        """Row ranges ``[start, stop)`` the forward writes: whole blocks holding recomputed rows
-        (so a later prompt copies them afresh in one piece) and runs of the other new rows."""
-        whole = [(b.dst_row, b.dst_row + b.n_rows) for b in self.blocks if b.module in self.recomputed_blocks]
-        runs: list[tuple[int, int]] = []
-        for row in sorted(r for r in self.new_rows if not any(lo <= r < hi for lo, hi in whole)):
-            if runs and runs[-1][1] == row:
-                runs[-1] = (runs[-1][0], row + 1)
-            else:
-                runs.append((row, row + 1))
-        return sorted(whole + runs)
 
 
 TokenRef = tuple[str, int]
@@ -151,70 +102,6 @@ def _share_count(share: float, n: int) -> int:
     return min(n, math.ceil(share * n - 1e-9))
 
 
-def plan_cached(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozenset()) -> CachedPlan:
-    """Lay the prompt's imported blocks out contiguously in document order, arguments at
-    their slots' rows, uncached text after the blocks. Uncached modules (``cache="false"``)
-    have no block: their tokens and arguments are text. Tokens in ``recompute`` are computed
-    like uncached ones at their block rows, their fresh states replacing the cached ones."""
-    schema = prompt.schema
-    variants = scaffold_variants(prompt)
-    blocks: list[BlockUse] = []
-    block_row: dict[str, int] = {}
-    row = 0
-    for name in prompt.modules:
-        if not schema.modules[name].cached:
-            continue
-        n = len(schema.modules[name].token_ids)
-        blocks.append(BlockUse(name, variants.get(name, ""), row, n))
-        block_row[name] = row
-        row += n
-    new_tokens: list[int] = []
-    new_positions: list[int] = []
-    new_rows: list[int] = []
-    dead_rows: list[int] = []
-    cached_tokens = row
-    for module_name, param_name in prompt.arguments:
-        if module_name not in block_row:
-            continue
-        param = _param(schema, module_name, param_name)
-        arg = prompt.arguments[(module_name, param_name)]
-        slot_row = block_row[module_name] + param.offset
-        dead_rows.extend(range(slot_row + len(arg), slot_row + param.length))
-        cached_tokens -= param.length
-    text_row = row
-    recomputed_modules = {module for module, _ in recompute}
-    for seg in prompt.segments:
-        token_ids, position_ids = seg.token_ids, seg.position_ids
-        if seg.kind == "argument" and seg.module in block_row:
-            param = _param(schema, seg.module, seg.param)
-            slot_row = block_row[seg.module] + param.offset
-            rows = [slot_row + (p - param.start) for p in position_ids]
-        elif seg.kind in ("text", "argument"):
-            rows = list(range(text_row, text_row + len(token_ids)))
-            text_row += len(token_ids)
-        elif seg.kind == "cached" and seg.module in recomputed_modules:
-            index = _own_index(schema, seg.module)
-            fresh = [(t, p, block_row[seg.module] + index[p]) for t, p in zip(token_ids, position_ids)
-                     if (seg.module, index[p]) in recompute]
-            if not fresh:
-                continue
-            token_ids, position_ids, rows = (list(column) for column in zip(*fresh))
-        else:
-            continue
-        new_tokens.extend(token_ids)
-        new_positions.extend(position_ids)
-        new_rows.extend(rows)
-    return CachedPlan(blocks, new_tokens, new_positions, new_rows, sorted(dead_rows), text_row,
-                      cached_tokens - len(recompute), frozenset(recomputed_modules))
-
-
-def _param(schema: Schema, module: str, name: str):
-    for param in schema.modules[module].params:
-        if param.name == name:
-            return param
-    raise KeyError(f"{module}/{name}")
-
-
 @dataclass
 class ReferencePlan:
     """The oracle's single forward: every prompt token (slots included) in position order."""
@@ -275,3 +162,82 @@ def plan_reference(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = froz
     in_scope = scope[safe[:, None], safe[None, :]] & is_module[:, None] & is_module[None, :]
     uncached_view = (~is_module)[:, None] & live_t[None, :]
     return ReferencePlan(tokens, positions, live, causal & (in_scope | uncached_view))
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """An imported module's block as one request uses it: ``hidden`` lists the block rows (own
+    token indices) the request must not see — parameter slots, whose arguments it computes in
+    rows of its own, and recomputed tokens, whose fresh states replace the cached ones."""
+
+    module: str
+    scaffold: str
+    n_rows: int
+    hidden: tuple[int, ...] = ()
+
+
+@dataclass
+class RequestPlan:
+    """What the batch engine needs for one request: shared blocks to place (once per arena) and
+    the request's own new tokens in position order.
+
+    ``prefill_mask`` (reference mode) is the boolean ``[n, n]`` visibility among the new tokens,
+    used instead of causality by position; ``live`` marks which new tokens later tokens (decoding)
+    may see (``None``: all).
+    """
+
+    blocks: list[BlockRef]
+    new_tokens: list[int]
+    new_positions: list[int]
+    cached_tokens: int
+    live: list[bool] | None = None
+    prefill_mask: torch.Tensor | None = None
+
+
+def plan_request(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozenset()) -> RequestPlan:
+    """The shared-block plan of ``prompt`` in cached mode: each imported cached module's block is
+    placed as encoded (slots and recomputed tokens hidden for this request); arguments, text and
+    recomputed tokens are new tokens at their schema positions. Attention by position over the
+    visible rows then gives what :func:`plan_cached` gives with private rows."""
+    schema = prompt.schema
+    variants = scaffold_variants(prompt)
+    recomputed: dict[str, set[int]] = {}
+    for module, index in recompute:
+        recomputed.setdefault(module, set()).add(index)
+    blocks: list[BlockRef] = []
+    cached_tokens = 0
+    for name in prompt.modules:
+        module = schema.modules[name]
+        if not module.cached:
+            continue
+        hidden = set(recomputed.get(name, ()))
+        for param in module.params:
+            hidden.update(range(param.offset, param.offset + param.length))
+        n = len(module.token_ids)
+        blocks.append(BlockRef(name, variants.get(name, ""), n, tuple(sorted(hidden))))
+        cached_tokens += n - len(hidden)
+    tokens: list[int] = []
+    positions: list[int] = []
+    for seg in prompt.segments:
+        if seg.kind in ("argument", "text"):
+            tokens.extend(seg.token_ids)
+            positions.extend(seg.position_ids)
+        elif seg.kind == "cached" and seg.module in recomputed:
+            index = _own_index(schema, seg.module)
+            for token, position in zip(seg.token_ids, seg.position_ids):
+                if index[position] in recomputed[seg.module]:
+                    tokens.append(token)
+                    positions.append(position)
+    return RequestPlan(blocks, tokens, positions, cached_tokens)
+
+
+def plan_request_reference(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozenset()) -> RequestPlan:
+    """The oracle as a request: every token computed, with :func:`plan_reference`'s mask."""
+    ref = plan_reference(prompt, recompute)
+    return RequestPlan([], ref.tokens, ref.positions, 0, live=ref.live, prefill_mask=ref.mask)
+
+
+def plan_request_baseline(prompt: ResolvedPrompt) -> RequestPlan:
+    """No reuse: the prompt's tokens at contiguous positions, causal attention."""
+    tokens = list(prompt.token_ids)
+    return RequestPlan([], tokens, list(range(len(tokens))), 0)

@@ -357,12 +357,16 @@ class ModelAdapter:
         return windowed_bias(spec, self.windows)[None, None]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention: AttentionSpec | None,
-                cache, *, last_logits_only: bool = True) -> torch.Tensor:
+                cache, *, last_logits_only: bool = True, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Run the model on ``input_ids [1, q]`` at ``position_ids [1, q]`` with a promptcache
         ``cache`` (``attention`` given) or a plain HF cache with causal attention (``None``).
-        Returns logits ``[q, vocab]`` (``[1, vocab]`` for the last token when ``last_logits_only``)."""
+        Returns logits ``[q, vocab]``: ``[1, vocab]`` for the last token when ``last_logits_only``,
+        ``[k, vocab]`` for the token indices ``keep [k]`` when given (a packed batch)."""
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
-        if self._takes_logits_to_keep and last_logits_only:
+        if keep is not None:
+            if self._takes_logits_to_keep:
+                kwargs["logits_to_keep"] = keep
+        elif self._takes_logits_to_keep and last_logits_only:
             kwargs["logits_to_keep"] = 1
         if attention is None:
             out = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
@@ -374,6 +378,8 @@ class ModelAdapter:
             finally:
                 _FORWARD.reset(token)
         logits = out.logits[0]
+        if keep is not None:
+            return logits if self._takes_logits_to_keep else logits[keep]
         return logits[-1:] if last_logits_only else logits
 
 

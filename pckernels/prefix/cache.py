@@ -49,12 +49,15 @@ _PROBE_CHUNK = 8
 
 
 @dataclass
-class _Prefill:
-    """What a prefill leaves behind: ``logits`` ``[vocab]`` of the last prompt token and the cache."""
+class Prefill:
+    """What a prefill leaves behind: ``logits`` ``[vocab]`` of the last prompt token, the HF cache
+    holding the prompt's states, how many prompt tokens were restored rather than computed, and
+    ``mode``: ``"prefix"`` (the store was used) or ``"uncached"``."""
 
     logits: torch.Tensor
     cache: object
     cached_tokens: int
+    mode: str = "prefix"
 
 
 def _max_positions(model) -> int | None:
@@ -163,12 +166,8 @@ class PrefixCache:
         """
         started = time.perf_counter()
         prompt_ids = encode_prompt(self.tokenizer, prompt)
-        if self.max_positions is not None and len(prompt_ids) >= self.max_positions:
-            raise PromptTooLongError(len(prompt_ids) - 1, self.max_positions)
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        use_store = reuse and self.refusal is None
+        prefill = self.prefill(prompt_ids, reuse=reuse)
         with torch.no_grad():
-            prefill = self._prefill_reusing(prompt_ids, ids) if use_store else self._prefill_uncached(ids)
             first_logits = prefill.logits.float()
             generator = make_generator(seed)
             token = select_token(first_logits, temperature=temperature, top_p=top_p, generator=generator)
@@ -180,8 +179,26 @@ class PrefixCache:
             text=text, token_ids=tokens, prompt_token_ids=prompt_ids, positions=list(range(len(prompt_ids))),
             ttft_s=ttft, total_s=time.perf_counter() - started, cached_tokens=prefill.cached_tokens,
             computed_tokens=len(prompt_ids) - prefill.cached_tokens, first_logits=first_logits.cpu(),
-            mode="prefix" if use_store else "uncached", finish_reason=finish_reason,
+            mode=prefill.mode, finish_reason=finish_reason,
         )
+
+    def check_length(self, num_tokens: int) -> None:
+        """Raise :class:`~pckernels.errors.PromptTooLongError` when ``num_tokens`` prompt tokens leave
+        no position to generate at."""
+        if self.max_positions is not None and num_tokens >= self.max_positions:
+            raise PromptTooLongError(num_tokens - 1, self.max_positions)
+
+    def prefill(self, prompt_ids: list[int], *, reuse: bool = True) -> Prefill:
+        """Read ``prompt_ids`` exactly as :meth:`complete` does (restoring the longest stored prefix
+        when ``reuse``) and return the states and last logits, for a caller that decodes itself
+        (the engine's scheduler). Not thread-safe with other forwards of the model."""
+        self.check_length(len(prompt_ids))
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        use_store = reuse and self.refusal is None
+        with torch.no_grad():
+            prefill = self._prefill_reusing(prompt_ids, ids) if use_store else self._prefill_uncached(ids)
+        prefill.mode = "prefix" if use_store else "uncached"
+        return prefill
 
     def stats(self) -> dict:
         """Counters since construction plus the store's current size.
@@ -220,15 +237,15 @@ class PrefixCache:
         with self._lock:
             self._store.clear()
 
-    def _prefill_uncached(self, ids: torch.Tensor) -> _Prefill:
+    def _prefill_uncached(self, ids: torch.Tensor) -> Prefill:
         """Prefill without the store: in ``chunk_size`` pieces, or in one pass when reuse is refused
         (a refused model may not continue a prefill from its cache, so chunking could change it)."""
         cache = self._states.new_cache()
         chunk = self.chunk_size if self.refusal is None else ids.shape[1]
         logits = self._run_chunks(ids, cache, 0, chunk)
-        return _Prefill(logits, cache, 0)
+        return Prefill(logits, cache, 0)
 
-    def _prefill_reusing(self, prompt_ids: list[int], ids: torch.Tensor) -> _Prefill:
+    def _prefill_reusing(self, prompt_ids: list[int], ids: torch.Tensor) -> Prefill:
         n = len(prompt_ids)
         keys = block_keys(prompt_ids, self.block_size, self._root)
         end_key = prompt_end_key(keys[-1] if keys else self._root, prompt_ids[len(keys) * self.block_size:])
@@ -265,7 +282,7 @@ class PrefixCache:
             self._counters["full_hits"] += end_entry is not None
             self._counters["hit_tokens"] += cached
             self._counters["computed_tokens"] += n - cached
-        return _Prefill(logits, cache, cached)
+        return Prefill(logits, cache, cached)
 
     def _restore_spilled(self, keys: list[bytes], matched: list[CachedEntry], num_tokens: int) -> list[CachedEntry]:
         """Continue ``matched`` (the in-memory chain of ``keys``) with blocks from the spill store.

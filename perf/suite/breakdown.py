@@ -1,6 +1,6 @@
-"""Where a Prompt Cache query's time goes: a cProfile run of ``generate`` attributed to the
-functions the engine's ``_run`` and ``_prefill_cached`` call directly (resolve, plan, place
-blocks, attention bias, model forward, sampling, …), plus the heaviest torch calls overall.
+"""Where a Prompt Cache query's time goes: cProfile runs of the caller's thread (parse and plan)
+and of the engine's scheduler thread (block placement, attention bias, model forward, sampling),
+attributed to the functions the engine calls directly, plus the heaviest torch calls overall.
 
 cProfile adds a little per Python call (about a thousand per forward); the shares are what
 matters, and the model forward is the same call as the floor's.
@@ -12,14 +12,27 @@ import cProfile
 import pstats
 from typing import Callable
 
-ENGINE_FILE = "pckernels/engine/core.py"
 MIN_SHARE = 0.002
 """Components under this share of the total are counted as other."""
-PARENTS = ("_run", "_prefill_cached")
-FRIENDLY = {"resolve": "parse prompt", "plan_cached": "plan", "_place_blocks": "place blocks (store + copy)",
-            "attention": "attention bias", "forward": "model forward", "select_token": "sample first token",
-            "ensure_capacity": "buffer capacity", "_decode_step": "decode closure", "select_recompute": "recompute "
-            "selection", "prepare": "cache prepare"}
+TOTALS = {("pckernels/engine/core.py", "request"), ("pckernels/engine/scheduler.py", "_admit"),
+          ("pckernels/engine/scheduler.py", "_step"), ("pckernels/engine/scheduler.py", "_sweep")}
+"""The work of one query: planning in the caller, admission and steps in the scheduler."""
+PARENTS = {("pckernels/engine/core.py", "request"), ("pckernels/engine/scheduler.py", "_start"),
+           ("pckernels/engine/scheduler.py", "_step"), ("pckernels/engine/scheduler.py", "_forward"),
+           ("pckernels/engine/scheduler.py", "_sweep"), ("pckernels/engine/scheduler.py", "_admit")}
+FRIENDLY = {"resolve": "parse prompt", "plan_request": "plan", "check_answerable": "prompt checks",
+            "_place": "place blocks (store + copy)", "forward": "model forward", "_choose": "sample",
+            "select_recompute": "recompute selection", "prepare": "cache prepare", "allocate": "arena rows",
+            "_make_visible": "visibility", "_plan_step": "step plan", "masked_fill_": "attention bias",
+            "full": "attention bias", "zeros": "attention bias", "acquire": "arena rows"}
+
+
+def _key(func: tuple[str, int, str]) -> tuple[str, str]:
+    filename, _, name = func
+    for path, parent in PARENTS | TOTALS:
+        if filename.endswith(path) and name == parent:
+            return path, parent
+    return "", name
 
 
 def _label(func: tuple[str, int, str]) -> str:
@@ -28,25 +41,31 @@ def _label(func: tuple[str, int, str]) -> str:
     return FRIENDLY.get(name, f"{name} ({short}:{line})")
 
 
-def profile(fn: Callable[[], object]) -> dict:
-    """``{"total_s", "components": {label: s}, "other_s", "top_calls": {label: self seconds}}``."""
-    profiler = cProfile.Profile()
-    profiler.enable()
-    fn()
-    profiler.disable()
-    stats = pstats.Stats(profiler).stats
+def profile(engine, fn: Callable[[], object]) -> dict:
+    """``{"total_s", "components": {label: s}, "other_s", "top_calls": {label: self seconds}}`` of
+    ``fn()`` (a query on ``engine``), over the calling thread and the engine's scheduler thread."""
+    caller, worker = cProfile.Profile(), cProfile.Profile()
+    engine.scheduler.profiler = worker
+    caller.enable()
+    try:
+        fn()
+    finally:
+        caller.disable()
+        engine.scheduler.profiler = None
+    stats = pstats.Stats(caller)
+    stats.add(worker)
     components: dict[str, float] = {}
     total = 0.0
-    for func, (_, _, _, cumulative, callers) in stats.items():
-        if func[0].endswith(ENGINE_FILE) and func[2] == "_run":
-            total = max(total, cumulative)
-        if func[0].endswith(ENGINE_FILE) and func[2] == "_prefill_cached":
+    for func, (_, _, _, cumulative, callers) in stats.stats.items():
+        if _key(func) in TOTALS:
+            total += cumulative
+        if _key(func) in PARENTS:
             continue
-        for caller, (_, _, _, caller_cumulative) in callers.items():
-            if caller[0].endswith(ENGINE_FILE) and caller[2] in PARENTS:
+        for caller_func, (_, _, _, caller_cumulative) in callers.items():
+            if _key(caller_func) in PARENTS:
                 label = _label(func)
                 components[label] = components.get(label, 0.0) + caller_cumulative
-    heavy = sorted(((tt, func) for func, (_, _, tt, _, _) in stats.items() if func[0] == "~"), reverse=True)[:6]
+    heavy = sorted(((tt, func) for func, (_, _, tt, _, _) in stats.stats.items() if func[0] == "~"), reverse=True)[:6]
     shown = {k: v for k, v in sorted(components.items(), key=lambda kv: -kv[1]) if v >= MIN_SHARE * total}
     return {"total_s": total, "components": shown, "other_s": max(total - sum(shown.values()), 0.0),
             "top_calls": {func[2]: tt for tt, func in heavy}}

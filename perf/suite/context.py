@@ -55,9 +55,9 @@ class Bench:
         return self._prefix
 
     def clear_caches(self) -> None:
-        """Empty the engine's store and buffer residency and the prefix cache."""
+        """Empty the engine's store, the blocks resident in its arena, and the prefix cache."""
         self.engine.store.clear()
-        self.engine.buffer.invalidate_all()
+        self.engine.evict_resident()
         if self._prefix is not None:
             self._prefix.clear()
 

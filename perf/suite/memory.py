@@ -9,6 +9,8 @@ end's last-token logits).
 
 from __future__ import annotations
 
+import torch
+
 from dataclasses import asdict, dataclass
 
 from perf.suite.context import Bench
@@ -51,7 +53,7 @@ def computed_rows() -> list[dict]:
 def measured(bench: Bench) -> dict:
     engine, prefix = bench.engine, bench.prefix
     layout = engine.layout
-    element = engine.buffer.data.element_size()
+    element = torch.empty(0, dtype=engine.dtype).element_size()
     text = pml_escape(sized(bench.tokenizer, archive(77), MEASURED_TOKENS))
     bytes_before, tokens_before = engine.store.nbytes(), sum(k.tokens for k in engine.store.keys())
     schema = engine.add_schema(f'<schema name="memory"><module name="doc">{text}</module></schema>')
@@ -69,7 +71,7 @@ def measured(bench: Bench) -> dict:
         "computed_bytes_per_token": 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * element,
         "store_bytes_per_token": stored_bytes / stored_tokens if stored_tokens else None,
         "store_tokens": stored_tokens,
-        "buffer_bytes_per_row": engine.buffer.data.nbytes / max(engine.buffer.capacity, 1),
+        "buffer_bytes_per_row": engine.scheduler.arena.bytes_per_row,
         "prefix_bytes_per_token": prefix_bytes / len(ids), "prefix_tokens": len(ids),
     }
 

@@ -1,0 +1,147 @@
+"""Encoding modules once: each module's KV block at its schema positions, over its ancestors.
+
+A module's tokens are read in one forward that attends, causally by position, to the module's
+ancestors' blocks (placed in a private assembly buffer) and to its own earlier tokens; a
+scaffold's members are read together. The blocks ``[L, 2, H, n, D]`` go to the tiered store.
+The encoder's buffer is its own, so encoding never touches rows of requests in flight; callers
+hold the engine's model lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from pckernels import ops
+from pckernels.engine.buffer import AssemblyBuffer, BufferCache, Placement
+from pckernels.integration.adapters import KVLayout, ModelAdapter
+from pckernels.pml.model import Schema
+from pckernels.store import BlockKey, TieredStore
+
+log = logging.getLogger(__name__)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ModuleEncoder:
+    """Encodes the modules of schemas into ``store`` under the keys ``block_key`` makes."""
+
+    def __init__(self, adapter: ModelAdapter, store: TieredStore, layout: KVLayout, *, dtype: torch.dtype,
+                 device: torch.device, block_key: Callable[[Schema, str, str], BlockKey]) -> None:
+        self.adapter = adapter
+        self.store = store
+        self.device = device
+        self.block_key = block_key
+        self.buffer = AssemblyBuffer(layout, dtype=dtype, device=device)
+        self.cache = BufferCache(self.buffer)
+        self._positions: dict[str, dict[BlockKey, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def encode_schema(self, schema: Schema, *, progress: bool = False) -> None:
+        """Encode every cached module and scaffold of ``schema`` that no tier holds yet."""
+        units: list[tuple[str, tuple[str, ...]]] = [("", (name,)) for name, m in schema.modules.items() if m.cached]
+        units += [(s.name, s.members) for s in schema.scaffolds.values()]
+        todo = [u for u in units if self.block_key(schema, u[1][0], u[0]) not in self.store]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        tokens = sum(len(schema.modules[m].token_ids) for _, members in todo for m in members)
+        iterator = todo
+        if progress:
+            from rich.progress import track
+
+            iterator = track(todo, description=f"encoding {schema.name}", transient=True)
+        for scaffold, members in iterator:
+            self.encode_unit(schema, scaffold, members)
+        log.info("encoded %d blocks (%d tokens) of schema %r in %.2f s", len(todo), tokens, schema.name,
+                 time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def encode_unit(self, schema: Schema, scaffold: str, members: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Encode ``members`` (one module, or a scaffold's members jointly) over their ancestors'
+        blocks, attending causally by position; store and return one block per member."""
+        modules = schema.modules
+        context = [a for a in reversed(modules[members[0]].ancestors(modules))]
+        own = sorted(((p, t, m) for m in members for p, t in zip(modules[m].position_ids, modules[m].token_ids)))
+        buf = self.buffer
+        ctx_rows = sum(len(modules[a].token_ids) for a in context)
+        total = ctx_rows + len(own)
+        buf.ensure_capacity(total)
+        self._place_context(schema, context)
+        t0 = time.perf_counter()
+        if own:
+            positions = torch.tensor([p for p, _, _ in own], dtype=torch.long, device=self.device)
+            buf.row_pos[ctx_rows:total] = positions
+            buf.row_bias[:total] = 0
+            ids = torch.tensor([[t for _, t, _ in own]], dtype=torch.long, device=self.device)
+            self.cache.prepare(rows=None, start=ctx_rows, extent=total)
+            self.adapter.forward(ids, positions[None], buf.attention(positions, total), self.cache)
+            buf.invalidate_rows(ctx_rows, total)
+        offset = ctx_rows
+        encoded = {}
+        for member in members:
+            n = len(modules[member].token_ids)
+            rows = [offset + i for i, (_, _, m) in enumerate(own) if m == member]
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            block = buf.data.index_select(3, index) if n else buf.data[:, :, :, :0].clone()
+            self.store.put(self.block_key(schema, member, scaffold), block)
+            encoded[member] = block
+        sync(self.device)
+        self.store.record_encode(len(members), time.perf_counter() - t0)
+        return encoded
+
+    def _place_context(self, schema: Schema, modules: list[str]) -> None:
+        """Put the ancestors' blocks in consecutive rows from 0 with one gather-concat over the
+        row ranges that do not already hold them; set their positions. Blocks no tier holds are
+        encoded first (which uses this buffer and may displace rows, hence the loop)."""
+        buf = self.buffer
+        placements, row = [], 0
+        for module in modules:
+            key = self.block_key(schema, module, "")
+            placements.append(Placement(key, 0, row, key.tokens))
+            row += key.tokens
+        fetched: dict[BlockKey, torch.Tensor] = {}
+        while lacking := [(m, p.key) for m, p in zip(modules, placements)
+                          if p.n_rows and p.key not in fetched and buf.missing(p)]:
+            for module, key in lacking:
+                fetched[key] = self.fetch(schema, module, "")
+        sources: list[torch.Tensor] = []
+        table: list[tuple[int, int, int, int]] = []
+        for module, placement in zip(modules, placements):
+            gaps = buf.missing(placement) if placement.n_rows else []
+            if gaps:
+                sources.append(fetched[placement.key])
+                table.extend((len(sources) - 1, g.src_row, g.dst_row, g.n_rows) for g in gaps)
+                buf.row_pos[placement.dst_row:placement.dst_row + placement.n_rows] = self.positions(
+                    schema, module, placement.key)
+                buf.mark_resident(placement)
+        if table:
+            ops.gather_concat(buf.data, sources, torch.tensor(table, dtype=torch.int64))
+
+    def fetch(self, schema: Schema, module: str, scaffold: str) -> torch.Tensor:
+        """The block ``[L, 2, H, n, D]`` from the store, re-encoded (its whole scaffold) if no tier holds it."""
+        block = self.store.get(self.block_key(schema, module, scaffold))
+        if block is None:
+            members = schema.scaffolds[scaffold].members if scaffold else (module,)
+            block = self.encode_unit(schema, scaffold, members)[module]
+        return block
+
+    def positions(self, schema: Schema, module: str, key: BlockKey) -> torch.Tensor:
+        """Schema positions ``[n]`` of a block's rows (on the device, made once per key; kept for
+        the current version of each schema name only)."""
+        memo = self._positions.setdefault(schema.name, {})
+        positions = memo.get(key)
+        if positions is None:
+            positions = torch.tensor(schema.modules[module].position_ids, dtype=torch.long, device=self.device)
+            memo[key] = positions
+        return positions
+
+    def forget(self, schema_name: str) -> None:
+        """Drop the position memo of a schema name (a new version replaces it)."""
+        self._positions.pop(schema_name, None)

@@ -1,0 +1,145 @@
+"""A request as the scheduler sees it, and the handle its caller holds.
+
+A :class:`Request` is plain data made in the caller's thread (the prompt is parsed and planned
+there, so bad input raises at once and changes nothing). The scheduler thread owns everything
+that changes while it runs (its rows, its decode state); the caller only reads the
+:class:`RequestHandle`, which streams token ids and ends with a :class:`GenerationResult` or an
+error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from pckernels.engine.plan import RequestPlan
+from pckernels.engine.result import GenerationResult
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen and when generation stops."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got temperature={self.temperature}, "
+                             f"top_p={self.top_p}")
+
+
+@dataclass
+class PrefixPrefill:
+    """A plain prompt for exact prefix reuse: the scheduler prefills it through the prefix cache
+    (``reuse`` or not) and then decodes it with the batch."""
+
+    token_ids: list[int]
+    reuse: bool = True
+
+
+@dataclass
+class Request:
+    """One generation. Exactly one of ``plan`` (PML prompts: cached, reference and baseline modes)
+    and ``prefix`` (plain prompts through the prefix cache) is set.
+
+    ``schema``: the schema ``plan``'s blocks belong to. ``prompt_token_ids`` / ``positions``: the
+    prompt as reported in the result. ``deadline``: ``time.monotonic()`` value after which the
+    request fails with :class:`~pckernels.errors.DeadlineExceeded` (None: none).
+    """
+
+    params: SamplingParams
+    mode: str
+    prompt_token_ids: list[int]
+    positions: list[int]
+    plan: RequestPlan | None = None
+    schema: object = None
+    prefix: PrefixPrefill | None = None
+    deadline: float | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def new_tokens(self) -> int:
+        """Prompt tokens this request computes itself."""
+        return len(self.plan.new_tokens) if self.plan is not None else len(self.prefix.token_ids)
+
+
+_DONE = object()
+
+
+class RequestHandle:
+    """The caller's side of a request: iterate it for token ids as they are chosen, ``result()``
+    for the :class:`GenerationResult`, ``cancel()`` to stop it (its rows are freed at the next
+    step). Iteration and ``result()`` raise the request's error, if it failed."""
+
+    def __init__(self, request: Request, wake: Callable[[], None] = lambda: None) -> None:
+        self.request = request
+        self._wake = wake
+        self._tokens: queue.SimpleQueue = queue.SimpleQueue()
+        self._finished = threading.Event()
+        self._result: GenerationResult | None = None
+        self._error: BaseException | None = None
+        self._cancelled = threading.Event()
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Ask the scheduler to stop this request; a finished request is left as it is."""
+        if not self.done:
+            self._cancelled.set()
+            self._wake()
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            item = self._tokens.get()
+            if item is _DONE:
+                break
+            yield item
+        if self._error is not None:
+            raise self._error
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait for the request to finish; its result, or its error raised."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    # -- the scheduler's side ------------------------------------------------------------------------
+
+    def _emit(self, token: int) -> None:
+        self._tokens.put(token)
+
+    def _finish(self, result: GenerationResult) -> None:
+        self._result = result
+        self._tokens.put(_DONE)
+        self._finished.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._tokens.put(_DONE)
+        self._finished.set()
+
