@@ -60,6 +60,11 @@ def test_every_experiment_runs_and_is_reported(engine, tmp_path):
     assert fractions == sorted(fractions)
     measured = results["experiments"]["memory"]["measured"]
     assert measured["store_bytes_per_token"] == measured["computed_bytes_per_token"]
+    concurrency = results["experiments"]["concurrency"]
+    assert [r["streams"] for r in concurrency["rows"]] == [1, 2] and concurrency["answers_equal_alone"]
+    two = concurrency["rows"][1]
+    assert two["kv"]["rows"] > 0 and two["kv"]["private_module_rows"] >= two["kv"]["module_rows"] > 0
+    assert "## 7. Concurrent streams" in text
 
 
 def test_interrupted_run_keeps_its_finished_experiments_and_resume_runs_only_the_rest(engine, tmp_path,

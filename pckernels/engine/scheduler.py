@@ -127,6 +127,10 @@ class Scheduler:
         self._closed = False
         self.counters = collections.Counter()
         self.profiler = None
+        self.peak = {"rows": 0, "module_rows": 0, "private_module_rows": 0}
+        """KV rows in use at the busiest moment since the last ``reset_peak``: all referenced rows,
+        the rows of the distinct modules running requests share, and what private copies of those
+        modules per request would have taken."""
         """A ``cProfile.Profile`` enabled around the loop's work while set (perf's time breakdown)."""
         self.batch_sizes: collections.Counter = collections.Counter()
 
@@ -305,6 +309,17 @@ class Scheduler:
             if active is not None:
                 self._running.append(active)
                 self.counters["admitted"] += 1
+                self._note_peak()
+
+    def reset_peak(self) -> None:
+        self.peak = {"rows": 0, "module_rows": 0, "private_module_rows": 0}
+
+    def _note_peak(self) -> None:
+        rows = self.arena.referenced_rows()
+        if rows > self.peak["rows"]:
+            shared = sum(len(b.rows) for b in self.arena.blocks.values() if b.refs > 0)
+            private = sum(len(b.rows) * b.refs for b in self.arena.blocks.values() if b.refs > 0)
+            self.peak = {"rows": rows, "module_rows": shared, "private_module_rows": private}
 
     def _start(self, handle: RequestHandle) -> _Active | None:
         request = handle.request

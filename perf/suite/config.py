@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-EXPERIMENTS = ("ttft", "workloads", "hit_ratio", "amortisation", "memory", "decode")
+EXPERIMENTS = ("ttft", "workloads", "hit_ratio", "amortisation", "memory", "decode", "concurrency")
 
 
 @dataclass
@@ -35,6 +35,10 @@ class SuiteConfig:
     decode_context_tokens: int = 2048
     decode_tokens: int = 64
     prefix_block_size: int = 256
+    concurrency_streams: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    concurrency_requests: int = 2
+    """Requests each concurrent client sends, back to back."""
+    concurrency_tokens: int = 32
     experiments: list[str] = field(default_factory=lambda: list(EXPERIMENTS))
 
     @classmethod
@@ -47,7 +51,8 @@ class SuiteConfig:
         return cls(name="quick", repeats=3, ttft_repeats=9, lengths=[512, 1024, 2048], doc_qa_tokens=1024, rag_docs=8,
                    rag_doc_tokens=256, rag_k=4, template_system_tokens=512, code_files=6, code_file_tokens=192,
                    queries=4, check_tokens=8, hit_ratio_tokens=1024, hit_ratios=[0.0, 0.5, 0.9, 1.0],
-                   amortisation_tokens=[512, 2048], decode_context_tokens=1024, decode_tokens=16)
+                   amortisation_tokens=[512, 2048], decode_context_tokens=1024, decode_tokens=16,
+                   concurrency_streams=[1, 2, 4, 8], concurrency_tokens=16)
 
     @classmethod
     def tiny(cls) -> "SuiteConfig":
@@ -55,7 +60,8 @@ class SuiteConfig:
         return cls(name="tiny", repeats=2, lengths=[48, 96], doc_qa_tokens=64, rag_docs=4, rag_doc_tokens=24,
                    rag_k=2, template_system_tokens=32, code_files=3, code_file_tokens=24, queries=3,
                    check_tokens=3, hit_ratio_tokens=64, hit_ratios=[0.0, 0.5, 1.0], amortisation_tokens=[32],
-                   decode_context_tokens=48, decode_tokens=4, prefix_block_size=16)
+                   decode_context_tokens=48, decode_tokens=4, prefix_block_size=16, concurrency_streams=[1, 2],
+                   concurrency_requests=1, concurrency_tokens=3)
 
     @classmethod
     def named(cls, name: str) -> "SuiteConfig":

@@ -107,8 +107,31 @@ def decode_panel(ax, result: dict) -> None:
     ax.tick_params(axis="x", labelsize=7)
 
 
+def concurrency_panel(ax, result: dict) -> None:
+    rows = result["rows"]
+    x = [r["streams"] for r in rows]
+    for method, color, label in (("batched", COLORS["prompt_cache"], "batched (scheduler)"),
+                                 ("one_at_a_time", COLORS["no_reuse"], "one at a time")):
+        med = [r[method]["tokens_per_s"]["median"] for r in rows]
+        lo = [m - r[method]["tokens_per_s"]["min"] for m, r in zip(med, rows)]
+        hi = [r[method]["tokens_per_s"]["max"] - m for m, r in zip(med, rows)]
+        ax.errorbar(x, med, yerr=[lo, hi], marker="o", capsize=3, color=color, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [str(s) for s in x])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrent streams (RAG k of N)")
+    ax.set_ylabel("aggregate tokens / s")
+    ax.set_title("Concurrent streams")
+    ttft = ax.twinx()
+    ttft.plot(x, [r["batched"]["ttft_p99_s"] * 1e3 for r in rows], linestyle=":", color=COLORS["prompt_cache"])
+    ttft.plot(x, [r["one_at_a_time"]["ttft_p99_s"] * 1e3 for r in rows], linestyle=":", color=COLORS["no_reuse"])
+    ttft.set_ylabel("TTFT p99 (ms, dotted)")
+    ax.legend(fontsize=7, loc="upper left")
+
+
 PANELS = {"ttft": ttft_panel, "workloads": workloads_panel, "hit_ratio": hit_ratio_panel,
-          "amortisation": amortisation_panel, "memory": memory_panel, "decode": decode_panel}
+          "amortisation": amortisation_panel, "memory": memory_panel, "decode": decode_panel,
+          "concurrency": concurrency_panel}
 
 
 def write_plots(results: dict, out_dir: Path, title: str) -> list[Path]:

@@ -131,8 +131,33 @@ def decode_section(result: dict) -> list[str]:
             f"{result['prefix_over_no_reuse']:.2f}.", ""]
 
 
+def concurrency_section(result: dict) -> list[str]:
+    rows = []
+    for r in result["rows"]:
+        b, o, kv = r["batched"], r["one_at_a_time"], r["kv"]
+        rows.append([str(r["streams"]), str(r["requests"]),
+                     f"{b['tokens_per_s']['median']:.1f}", f"{o['tokens_per_s']['median']:.1f}",
+                     f"{r['throughput_ratio']:.2f}x",
+                     f"{b['ttft_p50_s'] * 1e3:.0f} / {b['ttft_p99_s'] * 1e3:.0f} ms",
+                     f"{o['ttft_p50_s'] * 1e3:.0f} / {o['ttft_p99_s'] * 1e3:.0f} ms",
+                     f"{kv['rows']} ({kv['over_distinct_modules']:.2f}x)" if kv["over_distinct_modules"] else "",
+                     f"{kv['private_over_distinct']:.2f}x" if kv["private_over_distinct"] else "",
+                     "yes" if r["answers_equal_alone"] else f"NO ({r['mismatched_answers']})"])
+    return ["## 7. Concurrent streams", "",
+            f"{result['workload']}; each client sends its requests back to back, {result['rows'][0]['max_new_tokens']} "
+            "greedy tokens each. *batched*: the scheduler as shipped; *one at a time*: `max_batch = 1` (requests "
+            "queue). Aggregate tokens/s = all generated tokens over the round's wall time; TTFT from each "
+            "request's arrival. KV: the arena's rows in use at its busiest moment and their ratio to the rows of "
+            "the distinct modules the running requests import; *private* is what one copy of its modules per "
+            "request would take instead.", "",
+            *_table(["streams", "requests", "batched tok/s", "one at a time tok/s", "ratio", "TTFT p50/p99 batched",
+                     "TTFT p50/p99 one at a time", "KV rows at peak (/ distinct modules)", "private copies",
+                     "answers = alone"], rows), ""]
+
+
 SECTIONS = {"ttft": ttft_section, "workloads": workloads_section, "hit_ratio": hit_ratio_section,
-            "amortisation": amortisation_section, "memory": memory_section, "decode": decode_section}
+            "amortisation": amortisation_section, "memory": memory_section, "decode": decode_section,
+            "concurrency": concurrency_section}
 
 
 def targets(results: dict) -> list[str]:
@@ -150,6 +175,13 @@ def targets(results: dict) -> list[str]:
         w = experiments["workloads"]
         lines.append(f"- k-of-N RAG ≥ 10x faster than exact prefix reuse at equal outputs: "
                      f"{'met' if w['rag_target_met'] else 'NOT met'} ({w['rag_prompt_cache_over_prefix']:.1f}x).")
+    if "concurrency" in experiments and experiments["concurrency"]["throughput_at_8"] is not None:
+        c = experiments["concurrency"]
+        lines.append(f"- ≥ 4x aggregate tokens/s at 8 streams over the same requests one at a time: "
+                     f"{'met' if c['throughput_at_8'] >= 4 else 'NOT met'} ({c['throughput_at_8']:.2f}x); KV at 8 "
+                     f"streams ≤ 1.2x their distinct modules: "
+                     f"{'met' if (c['kv_at_8_over_distinct_modules'] or 99) <= 1.2 else 'NOT met'} "
+                     f"({c['kv_at_8_over_distinct_modules']:.2f}x).")
     return lines
 
 

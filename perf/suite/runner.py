@@ -17,14 +17,14 @@ import torch
 
 from pckernels.engine import PromptCache
 
-from perf.suite import amortisation, decode, hit_ratio, memory, ttft, workloads
+from perf.suite import amortisation, concurrency, decode, hit_ratio, memory, ttft, workloads
 from perf.suite.config import SuiteConfig
 from perf.suite.context import Bench, Ticker
 
 log = logging.getLogger(__name__)
 
 EXPERIMENT_MODULES = {"ttft": ttft, "workloads": workloads, "hit_ratio": hit_ratio, "amortisation": amortisation,
-                      "memory": memory, "decode": decode}
+                      "memory": memory, "decode": decode, "concurrency": concurrency}
 RESULTS_ROOT = Path(__file__).resolve().parents[1] / "results"
 PARTIAL_NAME = "suite.partial.json"
 
