@@ -14,7 +14,7 @@ Reported per ``S``: aggregate generated tokens per second (all tokens over the w
 round), TTFT p50 / p99 from each request's arrival, and, for ``batched``, the KV arena's rows in use
 at its busiest moment against the rows of the distinct modules the running requests import
 (shared, not duplicated), and what a private copy of its modules per request would take. Every batched answer is checked
-against the same request run alone (greedy tokens).
+against the same request run alone (greedy tokens, and the largest first-logit difference).
 """
 
 from __future__ import annotations
@@ -76,14 +76,14 @@ def run(bench: Bench) -> dict:
     alone = {}
     for prompt in pool:
         engine.evict_resident()
-        alone[prompt] = engine.generate(prompt, max_new_tokens=n).token_ids
+        alone[prompt] = engine.generate(prompt, max_new_tokens=n)
     scheduler = engine.scheduler
     rows = []
     for streams in cfg.concurrency_streams:
         prompts = [[pool[(i * cfg.concurrency_requests + j) % len(pool)] for j in range(cfg.concurrency_requests)]
                    for i in range(streams)]
         samples = {"batched": [], "one_at_a_time": []}
-        peak, mismatches = {"rows": 0, "module_rows": 0, "private_module_rows": 0}, 0
+        peak, mismatches, worst = {"rows": 0, "module_rows": 0, "private_module_rows": 0}, 0, 0.0
         for round_index in range(cfg.repeats):
             order = ("batched", "one_at_a_time") if round_index % 2 == 0 else ("one_at_a_time", "batched")
             for method in order:
@@ -98,12 +98,16 @@ def run(bench: Bench) -> dict:
                 if method == "batched" and scheduler.peak["rows"] > peak["rows"]:
                     peak = dict(scheduler.peak)
                 if method == "batched":
-                    mismatches += sum(r.token_ids != alone[prompts[i][j]] for (i, j), r in served["results"].items())
+                    for (i, j), got in served["results"].items():
+                        want = alone[prompts[i][j]]
+                        mismatches += got.token_ids != want.token_ids
+                        worst = max(worst, float((got.first_logits - want.first_logits).abs().max()))
                 served.pop("results")
                 samples[method].append(served)
                 bench.ticker.advance()
         row = {"streams": streams, "requests": streams * cfg.concurrency_requests, "max_new_tokens": n,
-               "answers_equal_alone": mismatches == 0, "mismatched_answers": mismatches}
+               "answers_equal_alone": mismatches == 0, "mismatched_answers": mismatches,
+               "first_logits_max_abs_diff": worst}
         for method, runs in samples.items():
             ttfts = [t for run_ in runs for t in run_["ttft"]]
             row[method] = {"tokens_per_s": summarize([r["tokens"] / r["wall_s"] for r in runs]),

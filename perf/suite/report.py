@@ -142,7 +142,8 @@ def concurrency_section(result: dict) -> list[str]:
                      f"{o['ttft_p50_s'] * 1e3:.0f} / {o['ttft_p99_s'] * 1e3:.0f} ms",
                      f"{kv['rows']} ({kv['over_distinct_modules']:.2f}x)" if kv["over_distinct_modules"] else "",
                      f"{kv['private_over_distinct']:.2f}x" if kv["private_over_distinct"] else "",
-                     "yes" if r["answers_equal_alone"] else f"NO ({r['mismatched_answers']})"])
+                     ("yes" if r["answers_equal_alone"] else f"NO ({r['mismatched_answers']})")
+                     + f", {r['first_logits_max_abs_diff']:.1e}"])
     return ["## 7. Concurrent streams", "",
             f"{result['workload']}; each client sends its requests back to back, {result['rows'][0]['max_new_tokens']} "
             "greedy tokens each. *batched*: the scheduler as shipped; *one at a time*: `max_batch = 1` (requests "
@@ -152,7 +153,7 @@ def concurrency_section(result: dict) -> list[str]:
             "request would take instead.", "",
             *_table(["streams", "requests", "batched tok/s", "one at a time tok/s", "ratio", "TTFT p50/p99 batched",
                      "TTFT p50/p99 one at a time", "KV rows at peak (/ distinct modules)", "private copies",
-                     "answers = alone"], rows), ""]
+                     "answers = alone, first-logit max diff"], rows), ""]
 
 
 SECTIONS = {"ttft": ttft_section, "workloads": workloads_section, "hit_ratio": hit_ratio_section,
