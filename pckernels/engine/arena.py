@@ -184,8 +184,11 @@ class KVArena:
         if capacity < rows or capacity <= self.capacity:
             return
         old = self.capacity
-        data = self._alloc(capacity)
+        lay = self.layout
+        data = torch.empty((lay.num_layers, 2, lay.num_kv_heads, capacity, lay.head_dim), dtype=self.dtype,
+                           device=self.device)
         data[:, :, :, :old].copy_(self.data)
+        data[:, :, :, old:].zero_()
         row_pos = torch.zeros(capacity, dtype=torch.long, device=self.device)
         row_pos[:old] = self.row_pos
         self.data, self.row_pos = data, row_pos

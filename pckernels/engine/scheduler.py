@@ -168,17 +168,20 @@ class Scheduler:
             thread.join()
 
     def stats(self) -> dict:
+        """Counters and the arena's state (read from snapshots: safe while the loop runs)."""
         with self._cv:
             waiting, running = len(self._waiting), len(self._running)
         arena = self.arena
+        blocks = list(arena.blocks.values())
+        free = arena.allocator.free_rows
+        capacity = arena.capacity
+        idle = sum(len(b.rows) for b in blocks if b.refs == 0)
         return {"waiting": waiting, "running": running, **self.counters,
                 "batch_sizes": dict(sorted(self.batch_sizes.items())),
-                "arena": {"capacity_rows": arena.capacity, "max_rows": arena.max_rows,
-                          "used_rows": arena.used_rows(), "referenced_rows": arena.referenced_rows(),
-                          "bytes_per_row": arena.bytes_per_row, "bytes": arena.capacity * arena.bytes_per_row,
-                          "resident_blocks": len(arena.blocks),
-                          "shared_blocks": sum(1 for b in arena.blocks.values() if b.refs > 1),
-                          "growths": arena.growths}}
+                "arena": {"capacity_rows": capacity, "max_rows": arena.max_rows, "used_rows": capacity - free,
+                          "referenced_rows": capacity - free - idle, "bytes_per_row": arena.bytes_per_row,
+                          "bytes": capacity * arena.bytes_per_row, "resident_blocks": len(blocks),
+                          "shared_blocks": sum(1 for b in blocks if b.refs > 1), "growths": arena.growths}}
 
     def _wake(self) -> None:
         with self._cv:
