@@ -26,7 +26,7 @@ def ttft_section(result: dict) -> list[str]:
              f"{r['gap_s']:.2f} s"] for r in result["rows"]]
     return ["## 1. TTFT vs prompt length", "",
             "One document module of the given size and a question. *Prompt Cache*: the document's blocks "
-            "are copied from the store into the assembly buffer on every query; *resident*: they are already "
+            "are copied from the store into the KV arena on every query; *resident*: they are already "
             "there at their rows; *floor*: the forward of the question over the resident cache alone.", "",
             *_table(["prompt tokens", "no reuse", "Prompt Cache", "resident", "floor", "speed-up",
                      "PC / floor", "resident / floor", "gap"], rows), "",
@@ -114,7 +114,7 @@ def memory_section(result: dict) -> list[str]:
             "Computed: 2 × layers × KV heads × head dim × bytes per element (configs in `perf/suite/memory.py`).", "",
             *_table(["model", "layers", "KV heads", "head dim", "fp16", "fp32", "attention"], rows), "",
             f"Measured here ({m['model']}, {m['dtype']}): computed {kib(m['computed_bytes_per_token'])}; module "
-            f"store {kib(m['store_bytes_per_token'])} per token ({m['store_tokens']} tokens); assembly buffer "
+            f"store {kib(m['store_bytes_per_token'])} per token ({m['store_tokens']} tokens); KV arena "
             f"{kib(m['buffer_bytes_per_row'])} per row; exact prefix cache {kib(m['prefix_bytes_per_token'])} per "
             f"prompt token ({m['prefix_tokens']} tokens, including the prompt end's logits).", ""]
 
