@@ -142,11 +142,11 @@ def bench_modules(args) -> dict:
             encode_s = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                with torch.inference_mode():
-                    first._encode_unit(schema, scaffold, members)
+                with torch.inference_mode(), first.model_lock:
+                    first.encoder.encode_unit(schema, scaffold, members)
                 encode_s.append(time.perf_counter() - t0)
             for member in members:
-                key = first._block_key(schema, member, scaffold)
+                key = first.block_key(schema, member, scaffold)
                 load_s = []
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()

@@ -177,7 +177,7 @@ def test_editing_one_module_keeps_the_other_blocks(model, tokenizer, tmp_path):
     second = PromptCache(model, tokenizer, store_dir=tmp_path)
     after = second.add_schema(edited)
     assert second.stats()["encodes"] == 1
-    changed = [m for m in before.modules if first._block_key(before, m) != second._block_key(after, m)]
+    changed = [m for m in before.modules if first.block_key(before, m) != second.block_key(after, m)]
     assert changed == [m for m in before.modules if m.endswith("food")]
     want = PromptCache(model, tokenizer)
     want.add_schema(edited)
@@ -189,7 +189,7 @@ def test_keys_cover_scope_not_names(model, tokenizer):
     pc = PromptCache(model, tokenizer)
     schema = pc.add_schema(SCHEMA)
     renamed = pc.add_schema(SCHEMA.replace('name="guide"', 'name="guide2"'))
-    key = pc._block_key
+    key = pc.block_key
     assert key(schema, "intro") == key(renamed, "intro")
     assert key(schema, "fact-a") != key(schema, "fact-a", "pair")
     food = next(m for m in schema.modules if m.endswith("food"))
@@ -237,8 +237,8 @@ def test_engine_position_memo_keeps_the_current_schema_versions_only(tokenizer):
         fresh(pc, prompt, max_new_tokens=1)
     assert list(pc.encoder._positions) == ["guide"]
     current = pc.schemas["guide"]
-    assert set(pc.encoder._positions["guide"]) <= {pc._block_key(current, m) for m in current.modules} | {
-        pc._block_key(current, m, s.name) for s in current.scaffolds.values() for m in s.members}
+    assert set(pc.encoder._positions["guide"]) <= {pc.block_key(current, m) for m in current.modules} | {
+        pc.block_key(current, m, s.name) for s in current.scaffolds.values() for m in s.members}
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "garbage", "longer-block", "shorter-block",
@@ -249,11 +249,11 @@ def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, t
     first = PromptCache(model, tokenizer, store_dir=tmp_path)
     schema = first.add_schema(SCHEMA)
     disk = first.store.disk
-    paris = first._block_key(schema, "paris")
+    paris = first.block_key(schema, "paris")
     victim = disk.path(paris.digest)
     if damage in ("longer-block", "shorter-block", "other-dtype"):
         source = {"longer-block": "tokyo", "shorter-block": "intro", "other-dtype": "paris"}[damage]
-        tensor = first.store.get(first._block_key(schema, source))
+        tensor = first.store.get(first.block_key(schema, source))
         write_block(victim, paris, tensor.half() if damage == "other-dtype" else tensor)
     elif damage == "corrupt":
         data = bytearray(victim.read_bytes())
@@ -264,7 +264,7 @@ def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, t
     elif damage == "foreign":
         other = PromptCache(tiny_llama(len(tokenizer), seed=1), tokenizer, store_dir=tmp_path / "other")
         other_schema = other.add_schema(SCHEMA)
-        victim.write_bytes(other.store.disk.path(other._block_key(other_schema, "paris").digest).read_bytes())
+        victim.write_bytes(other.store.disk.path(other.block_key(other_schema, "paris").digest).read_bytes())
     else:
         victim.write_bytes(b"not a safetensors file at all")
     restarted = PromptCache(model, tokenizer, store_dir=tmp_path)
@@ -275,7 +275,7 @@ def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, t
     stats = restarted.stats()
     assert stats["disk"]["discarded"] == 1 and stats["encodes"] == 1
     assert "discarding block file" in caplog.text
-    assert restarted.store.disk.read(restarted._block_key(schema, "paris")) is not None
+    assert restarted.store.disk.read(restarted.block_key(schema, "paris")) is not None
 
 
 @pytest.mark.parametrize("fault", ["disk-full", "dir-is-file"])
@@ -333,7 +333,7 @@ def test_union_siblings_are_prefetched(model, tokenizer, expected, tmp_path):
     pc = PromptCache(model, tokenizer, store_dir=tmp_path)
     schema = pc.add_schema(SCHEMA)
     assert_same(fresh(pc, PROMPTS["all-of-union-one"], max_new_tokens=NEW_TOKENS), expected["all-of-union-one"])
-    tokyo = pc._block_key(schema, "tokyo")
+    tokyo = pc.block_key(schema, "tokyo")
     deadline = time.monotonic() + 10
     while pc.stats()["prefetched"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)

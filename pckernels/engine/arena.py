@@ -13,7 +13,8 @@ by order. Two kinds of tenants:
 
 Every row always holds finite values (new capacity is zeroed): a masked key must contribute
 exactly nothing, and ``0 * NaN`` would not. Capacity grows (by at least 1.5x, rounded to 256 rows,
-contents kept) up to ``max_rows``, which the scheduler's admission keeps the working set under.
+contents kept) up to ``max_rows`` (the byte budget over the bytes of a row), which the scheduler's
+admission keeps the working set under.
 """
 
 from __future__ import annotations
@@ -100,17 +101,17 @@ class ResidentBlock:
 class KVArena:
     """Shared KV rows (see the module docstring). Not thread-safe: the scheduler owns it."""
 
-    def __init__(self, layout: KVLayout, *, dtype: torch.dtype, device: torch.device | str, max_rows: int) -> None:
+    def __init__(self, layout: KVLayout, *, dtype: torch.dtype, device: torch.device | str, max_bytes: int) -> None:
         self.layout = layout
         self.dtype = dtype
         self.device = torch.device(device)
-        self.max_rows = max_rows
         self.allocator = RowAllocator(0)
         self.data = self._alloc(0)
         self.row_pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self.blocks: dict[object, ResidentBlock] = {}
         self.growths = 0
         self._clock = 0
+        self.max_rows = max(1, max_bytes // self.bytes_per_row)
 
     @property
     def capacity(self) -> int:
@@ -122,8 +123,9 @@ class KVArena:
         return lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * self.data.element_size()
 
     def _alloc(self, rows: int) -> torch.Tensor:
+        """Uninitialised ``[L, 2, H, rows, D]`` (callers fill or zero it)."""
         lay = self.layout
-        return torch.zeros((lay.num_layers, 2, lay.num_kv_heads, rows, lay.head_dim), dtype=self.dtype,
+        return torch.empty((lay.num_layers, 2, lay.num_kv_heads, rows, lay.head_dim), dtype=self.dtype,
                            device=self.device)
 
     # -- views for the HF cache -----------------------------------------------------------------
@@ -184,9 +186,7 @@ class KVArena:
         if capacity < rows or capacity <= self.capacity:
             return
         old = self.capacity
-        lay = self.layout
-        data = torch.empty((lay.num_layers, 2, lay.num_kv_heads, capacity, lay.head_dim), dtype=self.dtype,
-                           device=self.device)
+        data = self._alloc(capacity)
         data[:, :, :, :old].copy_(self.data)
         data[:, :, :, old:].zero_()
         row_pos = torch.zeros(capacity, dtype=torch.long, device=self.device)

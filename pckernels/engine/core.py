@@ -32,7 +32,7 @@ from pckernels.pml import check_answerable, parse_prompt, parse_schema
 from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
 from pckernels.store import BlockKey, BlockKeys, TieredStore, default_store_dir, parse_budgets
-from pckernels.store.tiered import parse_size
+from pckernels.store.tiered import default_device_budget, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def default_kv_budget(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory // 4
-    return DEFAULT_CPU_KV_BUDGET
+    """The arena's default budget: the store's device-tier default on CUDA, ``DEFAULT_CPU_KV_BUDGET`` on CPU."""
+    return default_device_budget(device) if device.type == "cuda" else DEFAULT_CPU_KV_BUDGET
 
 
 class PromptCache:
@@ -121,11 +120,8 @@ class PromptCache:
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_ids = eos_ids
-        bytes_per_row = (self.layout.num_layers * 2 * self.layout.num_kv_heads * self.layout.head_dim
-                         * torch.empty(0, dtype=self.dtype).element_size())
-        kv_bytes = default_kv_budget(self.device) if kv_bytes is None else kv_bytes
-        self.scheduler = Scheduler(self, max_rows=max(1, kv_bytes // bytes_per_row), max_queue=max_queue,
-                                   max_batch=max_batch, step_tokens=step_tokens)
+        self.scheduler = Scheduler(self, max_bytes=default_kv_budget(self.device) if kv_bytes is None else kv_bytes,
+                                   max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2", *, device: str | torch.device | None = None,
@@ -193,14 +189,10 @@ class PromptCache:
         """The store key of ``module``'s block in ``schema`` (jointly encoded within ``scaffold``)."""
         return self._block_keys(schema, module, scaffold)
 
-    _block_key = block_key
-
     def fetch_block(self, schema: Schema, module: str, scaffold: str = "") -> torch.Tensor:
         """A module's block ``[L, 2, H, n, D]`` from the store, encoded again if no tier holds it
         (call with the model lock held)."""
         return self.encoder.fetch(schema, module, scaffold)
-
-    _fetch_block = fetch_block
 
     def block_positions(self, schema: Schema, module: str, key: BlockKey) -> torch.Tensor:
         return self.encoder.positions(schema, module, key)

@@ -110,7 +110,7 @@ def _score(engine: "PromptCache", schema: Schema) -> dict[str, torch.Tensor]:
         if not schema.modules[name].cached:
             continue
         in_context = buf.data.index_select(3, rows).float()
-        isolated = engine._fetch_block(schema, name, "").float()
+        isolated = engine.fetch_block(schema, name).float()
         diff = (in_context - isolated).norm(dim=(2, 4)) / in_context.norm(dim=(2, 4)).clamp_min(1e-6)
         scores[name] = diff.mean(dim=(0, 1)).cpu()
     return scores

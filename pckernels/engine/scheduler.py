@@ -76,6 +76,8 @@ class _Active:
     mode: str = "cached"
     own_visible: torch.Tensor | None = None
     """Own rows later tokens may see ``[m]`` (device, long), kept up to date."""
+    max_row: int = -1
+    """The highest arena row the request may see (its steps' key extent), kept without device syncs."""
 
     @property
     def request(self) -> Request:
@@ -102,19 +104,19 @@ class _Item:
 class Scheduler:
     """Runs requests for one engine (see the module docstring).
 
-    ``max_rows``: KV rows the arena may hold (the byte budget over bytes per row);
+    ``max_bytes``: the KV arena's budget;
     ``max_queue``: waiting requests before ``submit`` raises ``EngineBusyError``;
     ``max_batch``: running requests at once; ``step_tokens``: prompt tokens read per step;
     ``idle_exit_s``: the thread stops after that long without work and restarts on demand.
     """
 
-    def __init__(self, engine, *, max_rows: int, max_queue: int = 256, max_batch: int = 64,
+    def __init__(self, engine, *, max_bytes: int, max_queue: int = 256, max_batch: int = 64,
                  step_tokens: int = 2048, idle_exit_s: float = 5.0) -> None:
         if max_queue < 1 or max_batch < 1 or step_tokens < 1:
             raise ValueError(f"need max_queue, max_batch and step_tokens >= 1, got {max_queue}, {max_batch}, "
                              f"{step_tokens}")
         self.engine = engine
-        self.arena = KVArena(engine.layout, dtype=engine.dtype, device=engine.device, max_rows=max_rows)
+        self.arena = KVArena(engine.layout, dtype=engine.dtype, device=engine.device, max_bytes=max_bytes)
         self.cache = BufferCache(self.arena)
         self.max_queue = max_queue
         self.max_batch = max_batch
@@ -352,6 +354,7 @@ class Scheduler:
                     visible.append(block.index)
             active.block_rows = (torch.cat(visible) if visible
                                  else torch.zeros(0, dtype=torch.long, device=self.engine.device))
+            active.max_row = int(active.block_rows.max()) if visible else -1
             active.rows = self.arena.allocate(self._own_rows(request))
         except BaseException:
             self._release(active)
@@ -386,13 +389,13 @@ class Scheduler:
                          generator=generator, stopper=stopper, cached_tokens=prefill.cached_tokens,
                          computed_tokens=n - prefill.cached_tokens, mode=prefill.mode)
         rows = torch.tensor(active.rows[:n], dtype=torch.long, device=self.engine.device)
+        data = self.arena.data
         for index, layer in enumerate(prefill.cache.layers):
-            keys, values = layer.keys, layer.values
-            held = keys.shape[2]
-            target = rows[n - held:]
-            self.arena.data[index, 0].index_copy_(1, target, keys[0].to(self.arena.dtype))
-            self.arena.data[index, 1].index_copy_(1, target, values[0].to(self.arena.dtype))
+            held = layer.keys.shape[2]
+            ops.scatter_rows(data[index, 0].unsqueeze(0), data[index, 1].unsqueeze(0), layer.keys, layer.values,
+                             rows[n - held:])
         self.arena.row_pos[rows] = torch.arange(n, device=self.engine.device)
+        active.max_row = max(active.rows[:n])
         active.prefilled = n
         active.own_visible = rows
         active.block_rows = torch.zeros(0, dtype=torch.long, device=self.engine.device)
@@ -474,9 +477,7 @@ class Scheduler:
         arena.row_pos[rows] = positions
         for item in items:
             self._make_visible(item)
-        extent = 1 + max([int(rows.max())] + [int(t.max()) for item in items
-                                               for t in (item.active.block_rows, item.active.own_visible)
-                                               if t.numel()])
+        extent = 1 + max(max(max(item.rows), item.active.max_row) for item in items)
         allowed = torch.zeros(len(positions), extent, dtype=torch.bool, device=device)
         key_pos = arena.row_pos[:extent]
         for item in items:
@@ -515,6 +516,7 @@ class Scheduler:
         if fresh:
             add = torch.tensor(fresh, dtype=torch.long, device=self.engine.device)
             active.own_visible = torch.cat([active.own_visible, add])
+            active.max_row = max(active.max_row, max(fresh))
 
     def _choose(self, active: _Active, logits: torch.Tensor, *, first: bool) -> None:
         """Pick the request's next token from its ``logits [vocab]``; finish it or keep it going."""
