@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from pckernels.errors import UnsupportedModelError
+from pckernels.integration.linear import apply_fast_linear
 
 log = logging.getLogger(__name__)
 
@@ -311,8 +312,13 @@ class ModelAdapter:
     def attach(self) -> None:
         """Prepare the model instance for promptcache forwards, once: select promptcache's
         attention (:func:`select_attention`); families add their position hooks. An adapter made
-        with ``attach=False`` only answers questions about the model (limits, windows)."""
+        with ``attach=False`` only answers questions about the model (limits, windows). A model
+        on CPU also gets :func:`~pckernels.integration.linear.apply_fast_linear` (oneDNN GEMMs in
+        fp32; ``PROMPTCACHE_KERNEL_BACKEND=torch`` keeps ``F.linear``)."""
         self.owns_attention = select_attention(self.model)
+        weight = next(self.model.parameters(), None)
+        if weight is not None and weight.device.type == "cpu":
+            apply_fast_linear(self.model)
 
     def _layer_windows(self) -> dict[str, int | None] | int | None:
         """Sliding windows: ``{layer_type: window or None}`` when the model has sliding layer types

@@ -22,6 +22,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "gather_concat",
     "launch_counts",
+    "linear",
     "reset_launch_counts",
     "rerotate_block",
     "rerotate_keys",
@@ -64,6 +65,18 @@ def scatter_rows(k_out: Tensor, v_out: Tensor, k: Tensor, v: Tensor, rows: Tenso
         torch.ops.promptcache.scatter_rows(k_out, v_out, k, v, rows, b)
     else:
         _lib.scatter_rows_impl(k_out, v_out, k, v, rows, b)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, backend: str | None = None) -> Tensor:
+    """``x [..., in] @ weight [out, in].T + bias [out]`` -> ``[..., out]``, as ``F.linear``.
+
+    ``"auto"`` on CPU in fp32 runs oneDNN's inner product (faster than BLAS for the few rows
+    of a decode step); ``"torch"``, other devices and dtypes, and autograd use ``F.linear``.
+    """
+    b = resolve_backend(backend)
+    if _use_op():
+        return torch.ops.promptcache.linear(x, weight, bias, b)
+    return _lib.linear_impl(x, weight, bias, b)
 
 
 def write_rows(buf, layer: int, key_states: Tensor, value_states: Tensor, rows: Tensor | None, start: int,

@@ -168,3 +168,34 @@ def _rope_backward(ctx, grad_q, grad_k):
 
 
 apply_rotary_pos_emb_op.register_autograd(_rope_backward, setup_context=_rope_setup_context)
+
+
+def onednn_linear_usable(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`linear_impl` hands ``x @ weight.T`` to oneDNN: fp32 CPU tensors of a
+    build with oneDNN, a 2D weight and no autograd graph to record."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.dim() == 2 and x.dim() >= 1 and torch.backends.mkldnn.is_available()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def linear_impl(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend: str = "auto") -> Tensor:
+    """``x [..., in] @ weight[out, in].T (+ bias [out])`` -> ``[..., out]``.
+
+    On CPU in fp32 ``"auto"`` runs oneDNN's inner product (``mkldnn._linear_pointwise``): for
+    the few rows of a decode step it is 1.5-1.7x faster than the BLAS ``addmm`` behind
+    ``F.linear`` on this project's models; ``"torch"`` (and anything else) is ``F.linear``.
+    Both are fp32 GEMMs that agree to rounding (the reduction order differs)."""
+    if backend == "auto" and onednn_linear_usable(x, weight) and (bias is None or bias.dtype == torch.float32):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@custom_op("promptcache::linear", mutates_args=())
+def linear_op(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend: str = "auto") -> Tensor:
+    """Registered :func:`linear_impl`."""
+    return linear_impl(x, weight, bias, backend)
+
+
+@linear_op.register_fake
+def _linear_fake(x, weight, bias=None, backend="auto"):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
