@@ -26,6 +26,12 @@ class PMLError(ValueError):
         super().__init__(where + message)
 
 
+class UnknownSchemaError(PMLError):
+    """A prompt names a schema that is not loaded (HTTP 404); ``schema`` is the name."""
+
+    schema: str = ""
+
+
 class PromptTooLongError(ValueError):
     """A prompt leaves no room to generate within the model's positions.
 

@@ -235,9 +235,9 @@ def test_engine_position_memo_keeps_the_current_schema_versions_only(tokenizer):
     for i in range(5):
         pc.add_schema(SCHEMA.replace("Include local food.", f"Include local food {i}."))
         fresh(pc, prompt, max_new_tokens=1)
-    assert list(pc.encoder._positions) == ["guide"]
+    assert list(pc.encoder._positions) == [("", "guide")]
     current = pc.schemas["guide"]
-    assert set(pc.encoder._positions["guide"]) <= {pc.block_key(current, m) for m in current.modules} | {
+    assert set(pc.encoder._positions[("", "guide")]) <= {pc.block_key(current, m) for m in current.modules} | {
         pc.block_key(current, m, s.name) for s in current.scaffolds.values() for m in s.members}
 
 

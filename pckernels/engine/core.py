@@ -13,7 +13,8 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from collections import ChainMap
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -108,10 +109,14 @@ class PromptCache:
                                      layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
                                      dtype=self.dtype)
         self.schemas: dict[str, Schema] = {}
+        """Schemas of the default namespace (salt ``""``) by name."""
+        self._namespaces: dict[str, dict[str, Schema]] = {"": self.schemas}
+        self._schemas_lock = threading.Lock()
         self.model_lock = threading.RLock()
         """Held by whoever runs the model: the scheduler's steps, encoding, deviation scoring."""
         self.encoder = ModuleEncoder(self.adapter, self.store, self.layout, dtype=self.dtype, device=self.device,
-                                     block_key=self.block_key)
+                                     block_key=self.block_key, lock=self.model_lock)
+        self._install_lock = threading.Lock()
         self.deviation = DeviationScores(self)
         self._prefix = None
         self._prefix_lock = threading.Lock()
@@ -168,22 +173,60 @@ class PromptCache:
 
     # -- schemas ----------------------------------------------------------------------------------
 
-    def add_schema(self, text_or_path: str | os.PathLike, *, progress: bool = False) -> Schema:
+    def add_schema(self, text_or_path: str | os.PathLike, *, progress: bool = False, salt: str = "",
+                   on_progress: Callable[[int, int], None] | None = None) -> Schema:
         """Parse a schema (PML text or a file path) and encode all of its modules and scaffolds.
 
         The same schema text again encodes nothing. Raises ``PMLError`` on bad input, leaving the
         cache unchanged. Requests already running keep the version they were submitted with.
+        ``salt`` puts the schema in a namespace of its own (a server's tenant): its blocks' keys
+        carry the salt, so the same text under another salt shares nothing, and only prompts
+        resolved with that salt see it. ``on_progress(done, total)`` follows the encoding.
         """
+        return self.install_schema(self.parse_schema(text_or_path, salt=salt), progress=progress,
+                                   on_progress=on_progress)
+
+    def parse_schema(self, text_or_path: str | os.PathLike, *, salt: str = "") -> Schema:
+        """Parse (and lay out) a schema without encoding or adding it; ``PMLError`` on bad input."""
         text, base_dir = _read_source(text_or_path)
         schema = parse_schema(text, self.tokenizer, base_dir=base_dir, max_positions=self.max_positions)
-        previous = self.schemas.get(schema.name)
+        schema.salt = salt
+        return schema
+
+    def install_schema(self, schema: Schema, *, progress: bool = False,
+                       on_progress: Callable[[int, int], None] | None = None) -> Schema:
+        """Encode a parsed schema (:meth:`parse_schema`) and add it to its salt's namespace,
+        replacing a schema of the same name there once encoded."""
+        previous = self.schemas_for(schema.salt, shared=False).get(schema.name)
         if previous is not None and previous.digest == schema.digest:
             return previous
-        with self.model_lock:
-            self.encoder.forget(schema.name)
-            self.encoder.encode_schema(schema, progress=progress)
-        self.schemas[schema.name] = schema
+        with self._install_lock:
+            self.encoder.forget(schema.name, schema.salt)
+            self.encoder.encode_schema(schema, progress=progress, on_progress=on_progress)
+        with self._schemas_lock:
+            self._namespaces.setdefault(schema.salt, {})[schema.name] = schema
         return schema
+
+    def remove_schema(self, name: str, *, salt: str = "") -> bool:
+        """Forget a schema of a namespace (its blocks stay in the store until evicted); False when
+        there was none. Requests already running keep it."""
+        with self._schemas_lock:
+            space = self._namespaces.get(salt, {})
+            removed = space.pop(name, None) is not None
+            if salt and not space:
+                self._namespaces.pop(salt, None)
+        if removed:
+            self.encoder.forget(name, salt)
+        return removed
+
+    def schemas_for(self, salt: str = "", *, shared: bool = True) -> Mapping[str, Schema]:
+        """The schemas a prompt resolved with ``salt`` sees: its namespace's, then (``shared``)
+        the default namespace's for names it does not define. A snapshot."""
+        with self._schemas_lock:
+            own = dict(self._namespaces.get(salt, {}))
+            if not salt or not shared:
+                return own
+            return ChainMap(own, dict(self.schemas))
 
     def block_key(self, schema: Schema, module: str, scaffold: str = "") -> BlockKey:
         """The store key of ``module``'s block in ``schema`` (jointly encoded within ``scaffold``)."""
@@ -230,23 +273,24 @@ class PromptCache:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def resolve(self, prompt: str | ResolvedPrompt) -> ResolvedPrompt:
-        """Parse a PML prompt against the added schemas."""
+    def resolve(self, prompt: str | ResolvedPrompt, *, salt: str = "") -> ResolvedPrompt:
+        """Parse a PML prompt against the schemas of ``salt``'s namespace (:meth:`schemas_for`)."""
         if isinstance(prompt, ResolvedPrompt):
             return prompt
-        return parse_prompt(prompt, self.schemas)
+        return parse_prompt(prompt, self.schemas_for(salt))
 
     def request(self, prompt: str | ResolvedPrompt, *, max_new_tokens: int = 64, mode: str = "cached",
                 temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
                 seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
-                deadline_s: float | None = None) -> Request:
+                deadline_s: float | None = None, salt: str = "") -> Request:
         """Parse and plan a PML prompt into a :class:`Request` (in the calling thread: bad input
-        raises here and changes nothing). Arguments as in :meth:`generate`."""
+        raises here and changes nothing). Arguments as in :meth:`generate`; ``salt`` picks the
+        namespace its schemas are looked up in (:meth:`add_schema`)."""
         submitted = time.perf_counter()
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         params = _params(max_new_tokens, temperature, top_p, stop, seed)
-        resolved = self.resolve(prompt)
+        resolved = self.resolve(prompt, salt=salt)
         check_answerable(resolved, baseline=mode == "baseline")
         limit = self.max_positions
         last_pos = max(resolved.position_ids) if mode != "baseline" else len(resolved.token_ids) - 1
@@ -324,16 +368,17 @@ class PromptCache:
 
     def complete_request(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,
                          top_p: float = 1.0, stop: str | list[str] | None = None, seed: int | None = None,
-                         deadline_s: float | None = None) -> Request:
+                         deadline_s: float | None = None, salt: str = "") -> Request:
         """A plain prompt (text, token ids or chat messages) as a :class:`Request` for exact
-        prefix reuse; arguments as in :meth:`complete`."""
+        prefix reuse; arguments as in :meth:`complete`. ``salt`` namespaces its prefix blocks:
+        prompts with different salts never share a block."""
         from pckernels.prefix.prompts import encode_prompt
 
         submitted = time.perf_counter()
         params = _params(max_new_tokens, temperature, top_p, stop, seed)
         ids = encode_prompt(self.tokenizer, prompt)
         self.prefix.check_length(len(ids))
-        return Request(params, "prefix", list(ids), list(range(len(ids))), prefix=PrefixPrefill(list(ids), reuse),
+        return Request(params, "prefix", list(ids), list(range(len(ids))), prefix=PrefixPrefill(list(ids), reuse, salt),
                        deadline=_deadline(deadline_s), submitted=submitted)
 
     def complete(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,

@@ -43,13 +43,14 @@ class DeviationScores:
 
     def __init__(self, engine: "PromptCache") -> None:
         self._engine = engine
-        self._scores: dict[str, dict[str, torch.Tensor]] = {}
+        self._scores: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
 
     def for_schema(self, schema: Schema) -> dict[str, torch.Tensor]:
-        scores = self._scores.get(schema.digest)
+        version = (schema.salt, schema.digest)
+        scores = self._scores.get(version)
         if scores is None:
             t0 = time.perf_counter()
-            scores = self._scores[schema.digest] = _score(self._engine, schema)
+            scores = self._scores[version] = _score(self._engine, schema)
             log.info("deviation scores for schema %r in %.2f s", schema.name, time.perf_counter() - t0)
         return scores
 

@@ -3,13 +3,15 @@
 A module's tokens are read in one forward that attends, causally by position, to the module's
 ancestors' blocks (placed in a private assembly buffer) and to its own earlier tokens; a
 scaffold's members are read together. The blocks ``[L, 2, H, n, D]`` go to the tiered store.
-The encoder's buffer is its own, so encoding never touches rows of requests in flight; callers
-hold the engine's model lock.
+The encoder's buffer is its own, so encoding never touches rows of requests in flight. Each unit
+runs under the engine's model lock (``lock``), so a long schema interleaves with the scheduler's
+steps instead of stalling them.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -33,18 +35,22 @@ class ModuleEncoder:
     """Encodes the modules of schemas into ``store`` under the keys ``block_key`` makes."""
 
     def __init__(self, adapter: ModelAdapter, store: TieredStore, layout: KVLayout, *, dtype: torch.dtype,
-                 device: torch.device, block_key: Callable[[Schema, str, str], BlockKey]) -> None:
+                 device: torch.device, block_key: Callable[[Schema, str, str], BlockKey],
+                 lock: threading.RLock | None = None) -> None:
         self.adapter = adapter
+        self.lock = lock if lock is not None else threading.RLock()
         self.store = store
         self.device = device
         self.block_key = block_key
         self.buffer = AssemblyBuffer(layout, dtype=dtype, device=device)
         self.cache = BufferCache(self.buffer)
-        self._positions: dict[str, dict[BlockKey, torch.Tensor]] = {}
+        self._positions: dict[tuple[str, str], dict[BlockKey, torch.Tensor]] = {}
 
     @torch.inference_mode()
-    def encode_schema(self, schema: Schema, *, progress: bool = False) -> None:
-        """Encode every cached module and scaffold of ``schema`` that no tier holds yet."""
+    def encode_schema(self, schema: Schema, *, progress: bool = False,
+                      on_progress: Callable[[int, int], None] | None = None) -> None:
+        """Encode every cached module and scaffold of ``schema`` that no tier holds yet;
+        ``on_progress(done, total)`` is called before the first unit and after each one."""
         units: list[tuple[str, tuple[str, ...]]] = [("", (name,)) for name, m in schema.modules.items() if m.cached]
         units += [(s.name, s.members) for s in schema.scaffolds.values()]
         todo = [u for u in units if self.block_key(schema, u[1][0], u[0]) not in self.store]
@@ -57,8 +63,14 @@ class ModuleEncoder:
             from rich.progress import track
 
             iterator = track(todo, description=f"encoding {schema.name}", transient=True)
-        for scaffold, members in iterator:
-            self.encode_unit(schema, scaffold, members)
+        if on_progress is not None:
+            on_progress(0, len(todo))
+        for done, (scaffold, members) in enumerate(iterator, 1):
+            with self.lock:
+                if self.block_key(schema, members[0], scaffold) not in self.store:
+                    self.encode_unit(schema, scaffold, members)
+            if on_progress is not None:
+                on_progress(done, len(todo))
         log.info("encoded %d blocks (%d tokens) of schema %r in %.2f s", len(todo), tokens, schema.name,
                  time.perf_counter() - t0)
 
@@ -135,13 +147,13 @@ class ModuleEncoder:
     def positions(self, schema: Schema, module: str, key: BlockKey) -> torch.Tensor:
         """Schema positions ``[n]`` of a block's rows (on the device, made once per key; kept for
         the current version of each schema name only)."""
-        memo = self._positions.setdefault(schema.name, {})
+        memo = self._positions.setdefault((schema.salt, schema.name), {})
         positions = memo.get(key)
         if positions is None:
             positions = torch.tensor(schema.modules[module].position_ids, dtype=torch.long, device=self.device)
             memo[key] = positions
         return positions
 
-    def forget(self, schema_name: str) -> None:
+    def forget(self, schema_name: str, salt: str = "") -> None:
         """Drop the position memo of a schema name (a new version replaces it)."""
-        self._positions.pop(schema_name, None)
+        self._positions.pop((salt, schema_name), None)

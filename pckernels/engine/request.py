@@ -47,6 +47,8 @@ class PrefixPrefill:
 
     token_ids: list[int]
     reuse: bool = True
+    salt: str = ""
+    """Namespace of the prompt's prefix blocks (a server's tenant salt)."""
 
 
 @dataclass
@@ -92,6 +94,7 @@ class RequestHandle:
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
         self._cancelled = threading.Event()
+        self._listeners: list[Callable[[], None]] = []
 
     @property
     def id(self) -> int:
@@ -120,6 +123,25 @@ class RequestHandle:
         if self._error is not None:
             raise self._error
 
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (from the scheduler's thread; it must not block) after each token
+        and when the request ends, for callers that wait without a thread (an event loop's
+        ``call_soon_threadsafe``). It is called once at once if the request already ended."""
+        self._listeners.append(callback)
+        if self.done:
+            callback()
+
+    def take(self) -> list[int]:
+        """The tokens chosen since the last ``take``, without waiting (do not mix with iterating)."""
+        out = []
+        while True:
+            try:
+                item = self._tokens.get_nowait()
+            except queue.Empty:
+                return out
+            if item is not _DONE:
+                out.append(item)
+
     def result(self, timeout: float | None = None) -> GenerationResult:
         """Wait for the request to finish; its result, or its error raised."""
         if not self._finished.wait(timeout):
@@ -132,14 +154,21 @@ class RequestHandle:
 
     def _emit(self, token: int) -> None:
         self._tokens.put(token)
+        self._notify()
 
     def _finish(self, result: GenerationResult) -> None:
         self._result = result
         self._tokens.put(_DONE)
         self._finished.set()
+        self._notify()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._tokens.put(_DONE)
         self._finished.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        for callback in list(self._listeners):
+            callback()
 

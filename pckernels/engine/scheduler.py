@@ -384,7 +384,7 @@ class Scheduler:
         request = handle.request
         ids = request.prefix.token_ids
         n = len(ids)
-        prefill = self.engine.prefix.prefill(ids, reuse=request.prefix.reuse)
+        prefill = self.engine.prefix.prefill(ids, reuse=request.prefix.reuse, salt=request.prefix.salt)
         active = _Active(handle, self.arena.allocate(self._own_rows(request)), list(ids), list(range(n)), None,
                          generator=generator, stopper=stopper, cached_tokens=prefill.cached_tokens,
                          computed_tokens=n - prefill.cached_tokens, mode=prefill.mode)

@@ -93,8 +93,8 @@ class Source:
         return None if index is None else self._spans[index]
 
     def error(self, message: str, element: etree._Element | None = None, *,
-              offset: int | None = None) -> PMLError:
-        """A ``PMLError`` located at ``offset``, or at ``element``'s start tag."""
+              offset: int | None = None, kind: type[PMLError] = PMLError) -> PMLError:
+        """A ``PMLError`` (or subclass ``kind``) located at ``offset``, or at ``element``'s start tag."""
         if offset is None and element is not None:
             offset = self.element_offset(element)
         if offset is not None:
@@ -103,7 +103,7 @@ class Source:
             line, column = element.sourceline, None
         else:
             line, column = 1, 1
-        return PMLError(message, line=line, column=column, source=self.label)
+        return kind(message, line=line, column=column, source=self.label)
 
 
 def _scan_element_spans(text: str, expected: int) -> list[tuple[int, int, int]] | None:

@@ -122,6 +122,9 @@ class Schema:
     unions: dict[str, tuple[str, ...]] = field(default_factory=dict)
     max_positions: int | None = None
     """The model's position limit the schema was laid out for (prompts are checked against it)."""
+    salt: str = ""
+    """Namespace of the cache keys of this schema's blocks (a server's tenant salt; "" in the
+    library): the same text under two salts shares nothing."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pckernels.errors import PMLError
+from pckernels.errors import PMLError, UnknownSchemaError
 from pckernels.pml.document import Limits, Source, TextPart, is_valid_name, local_tag, read_document
 from pckernels.pml.elements import (
     ROLE_TAGS,
@@ -406,7 +406,9 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
         close = difflib.get_close_matches(name, [str(k) for k in schemas], n=3)
         hint = ("; did you mean " + " or ".join(map(repr, close)) + "?") if close else \
             f"; known schemas: {', '.join(map(str, schemas)) or 'none'}"
-        raise source.error(f"unknown schema {name!r}{hint}", root)
+        error = source.error(f"unknown schema {name!r}{hint}", root, kind=UnknownSchemaError)
+        error.schema = name
+        raise error
 
     reader = _PromptReader(source, schema)
     reader.read()

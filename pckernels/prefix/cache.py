@@ -188,15 +188,17 @@ class PrefixCache:
         if self.max_positions is not None and num_tokens >= self.max_positions:
             raise PromptTooLongError(num_tokens - 1, self.max_positions)
 
-    def prefill(self, prompt_ids: list[int], *, reuse: bool = True) -> Prefill:
+    def prefill(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "") -> Prefill:
         """Read ``prompt_ids`` exactly as :meth:`complete` does (restoring the longest stored prefix
         when ``reuse``) and return the states and last logits, for a caller that decodes itself
-        (the engine's scheduler). Not thread-safe with other forwards of the model."""
+        (the engine's scheduler). ``salt`` roots the block chain in a namespace of its own: the
+        same tokens under another salt match nothing. Not thread-safe with other forwards of the
+        model."""
         self.check_length(len(prompt_ids))
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         use_store = reuse and self.refusal is None
         with torch.no_grad():
-            prefill = self._prefill_reusing(prompt_ids, ids) if use_store else self._prefill_uncached(ids)
+            prefill = self._prefill_reusing(prompt_ids, ids, salt) if use_store else self._prefill_uncached(ids)
         prefill.mode = "prefix" if use_store else "uncached"
         return prefill
 
@@ -245,10 +247,11 @@ class PrefixCache:
         logits = self._run_chunks(ids, cache, 0, chunk)
         return Prefill(logits, cache, 0)
 
-    def _prefill_reusing(self, prompt_ids: list[int], ids: torch.Tensor) -> Prefill:
+    def _prefill_reusing(self, prompt_ids: list[int], ids: torch.Tensor, salt: str = "") -> Prefill:
         n = len(prompt_ids)
-        keys = block_keys(prompt_ids, self.block_size, self._root)
-        end_key = prompt_end_key(keys[-1] if keys else self._root, prompt_ids[len(keys) * self.block_size:])
+        root = self._root + b"/salt/" + salt.encode() if salt else self._root
+        keys = block_keys(prompt_ids, self.block_size, root)
+        end_key = prompt_end_key(keys[-1] if keys else root, prompt_ids[len(keys) * self.block_size:])
         hold = _Hold()
         with self._lock:
             end_entry = self._store.get(end_key)

@@ -103,26 +103,30 @@ class BlockKeys:
         return key
 
     def memoized(self) -> dict[str, int]:
-        """Keys held in the memo per schema digest (for tests and diagnostics)."""
+        """Keys held in the memo per schema version (``salt/digest``; the digest alone without a salt)."""
         return {digest: len(keys) for digest, (_, keys) in self._memo.items()}
 
     def _memo_of(self, schema: Schema) -> dict[tuple[str, str], BlockKey]:
-        entry = self._memo.get(schema.digest)
+        version = f"{schema.salt}/{schema.digest}" if schema.salt else schema.digest
+        name = (schema.salt, schema.name)
+        entry = self._memo.get(version)
         if entry is not None:
-            self._memo.move_to_end(schema.digest)
+            self._memo.move_to_end(version)
             return entry[1]
-        for digest in [d for d, (name, _) in self._memo.items() if name == schema.name]:
-            del self._memo[digest]
+        for old in [v for v, (n, _) in self._memo.items() if n == name]:
+            del self._memo[old]
         while len(self._memo) >= max(1, self.memo_schemas):
             self._memo.popitem(last=False)
         keys: dict[tuple[str, str], BlockKey] = {}
-        self._memo[schema.digest] = (schema.name, keys)
+        self._memo[version] = (name, keys)
         return keys
 
     def _make(self, schema: Schema, module: str, scaffold: str) -> BlockKey:
         mod = schema.modules[module]
         parent = self._key(schema, mod.parent, "").digest if mod.parent is not None else ""
         scope: dict[str, object] = {"parent": parent, "own": _content(mod.token_ids, mod.position_ids)}
+        if schema.salt:
+            scope["salt"] = schema.salt
         if scaffold:
             peers = [schema.modules[m] for m in schema.scaffolds[scaffold].members if m != module]
             peers.sort(key=lambda m: (m.position_ids[:1], m.token_ids))
