@@ -16,6 +16,7 @@ from pckernels.cli_common import check_model_options, console, fail, load_engine
 from pckernels.cli_store import cache_app, encode
 from pckernels.cli_bench import CONTEXT as BENCH_CONTEXT, bench
 from pckernels.cli_eval import register as register_eval
+from pckernels.cli_serve import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="promptcache: reuse attention states of prompt modules declared in PML.")
@@ -109,6 +110,7 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
 
 
 app.command()(encode)
+app.command()(serve)
 app.command(context_settings=BENCH_CONTEXT)(bench)
 app.add_typer(cache_app, name="cache")
 register_eval(app)

@@ -1,0 +1,98 @@
+"""``promptcache serve``: the OpenAI-compatible server (``pckernels.server``) under uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from pckernels.cli_common import check_model_options, console, fail, load_engine
+
+_LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) only listens on this machine."""
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), a HF id or a local path."),
+          host: str = typer.Option("127.0.0.1", help="Address to bind; anything but loopback needs --api-keys."),
+          port: int = typer.Option(8000, help="TCP port."),
+          schemas: Optional[Path] = typer.Option(None, help="Folder of PML schemas (*.xml, *.pml) to load as shared "
+                                                            "schemas at start."),
+          api_keys: Optional[Path] = typer.Option(None, help='JSON file {"KEY": "tenant" | {"tenant": ..., '
+                                                             '"admin": true}}; without it: one open tenant.'),
+          store_dir: Optional[Path] = typer.Option(None, help="Disk tier directory (default: "
+                                                              "$PROMPTCACHE_CACHE_DIR/kv or the XDG cache dir)."),
+          memory_only: bool = typer.Option(False, help="No disk tier: blocks live in memory only."),
+          device_budget: Optional[str] = typer.Option(None, help="Device tier budget, e.g. 2GiB."),
+          host_budget: Optional[str] = typer.Option(None, help="Host tier budget."),
+          disk_budget: Optional[str] = typer.Option(None, help="Disk tier budget."),
+          kv_budget: Optional[str] = typer.Option(None, help="KV arena budget of running requests."),
+          max_queue: int = typer.Option(256, min=0, help="Requests that may wait; more get 429."),
+          max_batch: int = typer.Option(64, min=1, help="Requests decoded together."),
+          request_timeout: float = typer.Option(600.0, min=0.0, help="Default deadline of a request in seconds "
+                                                                     "(0: none)."),
+          max_tokens: int = typer.Option(512, min=1, help="Tokens a chat request may generate when it says none."),
+          served_model_name: Optional[str] = typer.Option(None, help="The model id clients send (default: the "
+                                                                     "model's name)."),
+          device: Optional[str] = typer.Option(None, help="cpu, cuda, … (default: best available)."),
+          dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16."),
+          log_level: str = typer.Option("info", help="debug, info, warning, error.")) -> None:
+    """Serve the OpenAI API (chat, completions, models) plus PML schemas, tenants and /metrics."""
+    import uvicorn
+
+    from pckernels.errors import PMLError
+    from pckernels.server import Tenants, create_app, load_keys, server_secret
+    from pckernels.store import default_store_dir
+
+    level = getattr(logging, log_level.upper(), None)
+    if not isinstance(level, int):
+        fail(f"unknown --log-level {log_level!r}: expected debug, info, warning or error")
+    keys = None
+    if api_keys is not None:
+        try:
+            keys = load_keys(api_keys)
+        except ValueError as exc:
+            fail(exc)
+    elif not is_loopback(host):
+        fail(f"--host {host} is reachable from other machines: give --api-keys, or bind 127.0.0.1")
+    if schemas is not None and not schemas.is_dir():
+        fail(f"--schemas {str(schemas)!r} is not a folder")
+    check_model_options(model, device, dtype)
+    store = False if memory_only else (store_dir or default_store_dir())
+    tenants = Tenants(keys, server_secret(None if store is False else store))
+    engine = load_engine(model, device, dtype, store_dir=store, device_budget=device_budget, host_budget=host_budget,
+                         disk_budget=disk_budget, kv_budget=kv_budget, max_queue=max_queue, max_batch=max_batch)
+    try:
+        app = create_app(engine, tenants=tenants, model_name=served_model_name or model, schemas_dir=schemas,
+                         request_timeout=request_timeout or None, default_max_tokens=max_tokens)
+    except (PMLError, OSError) as exc:
+        engine.close()
+        fail(f"cannot load the schemas: {exc}")
+    logging.getLogger("pckernels").setLevel(level)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("pckernels").addHandler(handler)
+    logging.getLogger("pckernels").propagate = False
+    tenants_note = f"{len(tenants.names)} tenants" if keys else "open (one tenant, loopback only)"
+    console.print(f"promptcache: serving {escape(str(model))} as {escape(app.server.model_name)!r} on "
+                  f"http://{escape(host)}:{port} — {tenants_note}", highlight=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=30,
+                access_log=False)
