@@ -400,3 +400,21 @@ def test_the_readme_client_example_runs_as_written(busy_server, capsys):
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out.split()
     assert printed and int(printed[-1]) > 0, "the PML prompt must reuse the schema's modules"
+
+
+def test_the_load_generator_runs_against_a_server(busy_server, tmp_path):
+    """``perf.server_load`` end to end, tiny: every method answers and Prompt Cache reuses modules."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from perf import server_load
+
+    out = tmp_path / "load"
+    assert server_load.main(["--url", busy_server.url, "--model", MODEL, "--clients", "1", "2", "--requests", "1",
+                             "--rag", "3", "24", "2", "--template-tokens", "24", "--tokens", "2",
+                             "--out", str(out)]) == 0
+    rows = json.loads((out / "server_load.json").read_text())["rows"]
+    assert {(r["method"], r["clients"]) for r in rows} == {(m, n) for m in server_load.METHODS for n in (1, 2)}
+    assert all(r["mean_cached_tokens"] > 0 for r in rows if r["method"] == "prompt_cache")
+    assert all(r["mean_cached_tokens"] == 0 for r in rows if r["method"] == "no_reuse")
+    assert "| 2 | prompt_cache |" in (out / "summary.md").read_text()
