@@ -44,6 +44,7 @@ from pathlib import Path
 
 import httpx
 
+from perf.suite.concurrency import percentile
 from perf.suite.texts import archive, guidelines, pml_escape, sized
 from perf.suite.workloads import CUSTOMERS, QUESTIONS
 
@@ -109,13 +110,6 @@ def template_workload(tokenizer, system_tokens: int) -> Workload:
                            {"role": "user", "content": reply.format(**args)}])
 
     return Workload(f"template ({system_tokens}-token system prompt, 4 arguments)", schema, make)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    return statistics.quantiles(ordered, n=100, method="inclusive")[int(q) - 1]
 
 
 async def one_request(client: httpx.AsyncClient, model: str, method: str, query: Query, tokens: int) -> dict:

@@ -92,7 +92,7 @@ def create_app(engine, *, tenants: Tenants | None = None, model_name: str | None
 
     app = FastAPI(title="promptcache", version="0.1.0", lifespan=lifespan)
     app.state.server = state
-    _install_errors(app, state)
+    _install_errors(app)
     _routes(app, state)
     return _AccessLog(app, state, max_body_bytes)
 
@@ -453,7 +453,7 @@ def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
-def _install_errors(app: FastAPI, state: ServerState) -> None:
+def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         request.scope.setdefault("state", {})["error"] = exc.code or exc.type
@@ -487,9 +487,6 @@ class _AccessLog:
         self.app = app
         self.server = state
         self.max_body_bytes = max_body_bytes
-
-    def __getattr__(self, name):
-        return getattr(self.app, name)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

@@ -93,7 +93,7 @@ class _Sampling(BaseModel):
             raise APIError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
         if self.logprobs not in (None, False, 0):
             raise APIError(400, "logprobs are not supported", param="logprobs")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stops = self.stops()
         if len(stops) > 4 or any(not s for s in stops):
             raise APIError(400, "stop takes up to 4 non-empty strings", param="stop")
 

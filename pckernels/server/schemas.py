@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pckernels.pml.model import Schema
@@ -57,7 +57,6 @@ class SchemaRegistry:
         self._records: dict[tuple[str, str], SchemaRecord] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-encode")
-        self._pending: set[Future] = set()
 
     def submit(self, text: str, *, salt: str, shared: bool, owner: str) -> tuple[SchemaRecord, bool]:
         """Parse ``text`` (``PMLError`` on bad input, nothing changed) and queue its encoding.
@@ -71,9 +70,7 @@ class SchemaRegistry:
             if existing is not None and existing.digest == schema.digest and existing.status != FAILED:
                 return existing, False
             self._records[(salt, schema.name)] = record
-            future = self._executor.submit(self._encode, record, schema)
-            self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
+            self._executor.submit(self._encode, record, schema)
         return record, True
 
     def _encode(self, record: SchemaRecord, schema: Schema) -> None:
@@ -119,10 +116,6 @@ class SchemaRegistry:
         if record is not None:
             self.engine.remove_schema(name, salt=salt)
         return record
-
-    def idle(self) -> bool:
-        """Nothing is waiting to be encoded."""
-        return not self._pending
 
     def close(self) -> None:
         """Drop queued encodings and wait for the running one."""
