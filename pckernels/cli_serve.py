@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
 from pathlib import Path
 from typing import Optional
@@ -12,6 +13,8 @@ import typer
 from rich.markup import escape
 
 from pckernels.cli_common import check_model_options, console, fail, load_engine
+
+log = logging.getLogger(__name__)
 
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
@@ -45,6 +48,9 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
           host_budget: Optional[str] = typer.Option(None, help="Host tier budget."),
           disk_budget: Optional[str] = typer.Option(None, help="Disk tier budget."),
           kv_budget: Optional[str] = typer.Option(None, help="KV arena budget of running requests."),
+          remote: Optional[str] = typer.Option(None, help="Redis/Valkey URL (redis://host:port/db) of a tier shared "
+                                                          "by a fleet of servers."),
+          remote_namespace: str = typer.Option("promptcache", help="Key prefix in the --remote server."),
           max_queue: int = typer.Option(256, min=0, help="Requests that may wait; more get 429."),
           max_batch: int = typer.Option(64, min=1, help="Requests decoded together."),
           request_timeout: float = typer.Option(600.0, min=0.0, help="Default deadline of a request in seconds "
@@ -60,6 +66,7 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
 
     from pckernels.errors import PMLError
     from pckernels.server import Tenants, create_app, load_keys, server_secret
+    from pckernels.server.tenants import SECRET_ENV
     from pckernels.store import default_store_dir
 
     level = getattr(logging, log_level.upper(), None)
@@ -75,11 +82,23 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
         fail(f"--host {host} is reachable from other machines: give --api-keys, or bind 127.0.0.1")
     if schemas is not None and not schemas.is_dir():
         fail(f"--schemas {str(schemas)!r} is not a folder")
+    if remote is not None:
+        from pckernels.store import parse_remote_url
+
+        try:
+            parse_remote_url(remote)
+        except ValueError as exc:
+            fail(f"--remote: {exc}")
+        if keys and not os.environ.get(SECRET_ENV):
+            log.warning("--remote with --api-keys but no $%s: each server derives its own tenant salts, so "
+                        "tenants' blocks are not shared across the fleet; give every server the same secret",
+                        SECRET_ENV)
     check_model_options(model, device, dtype)
     store = False if memory_only else (store_dir or default_store_dir())
     tenants = Tenants(keys, server_secret(None if store is False else store))
     engine = load_engine(model, device, dtype, store_dir=store, device_budget=device_budget, host_budget=host_budget,
-                         disk_budget=disk_budget, kv_budget=kv_budget, max_queue=max_queue, max_batch=max_batch)
+                         disk_budget=disk_budget, kv_budget=kv_budget, max_queue=max_queue, max_batch=max_batch,
+                         remote=remote, remote_namespace=remote_namespace)
     try:
         app = create_app(engine, tenants=tenants, model_name=served_model_name or model, schemas_dir=schemas,
                          request_timeout=request_timeout or None, default_max_tokens=max_tokens)

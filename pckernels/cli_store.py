@@ -36,23 +36,43 @@ def _human(n: float) -> str:
 def encode(schema: Path = typer.Argument(..., help="Schema file to encode."),
            model: str = typer.Option("smollm2", help="Model name or path."),
            store_dir: Optional[Path] = typer.Option(None, help=_STORE_DIR_HELP),
+           remote: Optional[str] = typer.Option(None, help="Also upload the blocks to this Redis/Valkey server "
+                                                           "(redis://host:port/db) for a fleet."),
+           remote_namespace: str = typer.Option("promptcache", help="Key prefix in the --remote server."),
            device: Optional[str] = typer.Option(None, help="cpu, cuda, … (default: best available)."),
            dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16.")) -> None:
-    """Encode every module of SCHEMA and keep the blocks on disk for later runs."""
+    """Encode every module of SCHEMA and keep the blocks on disk (and in --remote) for later runs."""
     directory = _store_dir(store_dir)
+    if remote is not None:
+        from pckernels.store import parse_remote_url
+
+        try:
+            parse_remote_url(remote)
+        except ValueError as exc:
+            fail(f"--remote: {exc}")
     check_model_options(model, device, dtype)
     if not schema.is_file():
         fail(f"no such schema file: {str(schema)!r}")
     if directory.exists() and not directory.is_dir():
         fail(f"--store-dir {str(directory)!r} is a file, not a directory")
-    cache = load_engine(model, device, dtype, store_dir=directory)
+    cache = load_engine(model, device, dtype, store_dir=directory, remote=remote, remote_namespace=remote_namespace)
     t0 = time.perf_counter()
     try:
         parsed = cache.add_schema(schema, progress=True)
     except (OSError, ValueError) as exc:
         fail(exc)
+    if remote is not None:
+        units = [(m, "") for m, mod in parsed.modules.items() if mod.cached]
+        units += [(m, sc.name) for sc in parsed.scaffolds.values() for m in sc.members]
+        cache.store.share(cache.block_key(parsed, m, sc) for m, sc in units)
+        cache.store.flush()
     seconds = time.perf_counter() - t0
     stats = cache.stats()
+    if remote is not None:
+        r = stats["remote"]
+        console.print(escape(f"remote {r['url']}: {r['writes']} blocks uploaded ({r['bytes_written'] / 2**20:.1f} MiB), "
+                             f"{r['present']} already there, {r['dropped_writes']} not written"
+                             + (f"; down: {r['down_reason']}" if not r["up"] else "")))
     if not stats["disk"]["enabled"]:
         fail(f"nothing kept on disk: {stats['disk']['off_reason']}", code=1)
     units = sum(m.cached for m in parsed.modules.values()) + sum(len(s.members) for s in parsed.scaffolds.values())

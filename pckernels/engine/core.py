@@ -32,7 +32,8 @@ from pckernels.integration.identity import model_fingerprint, weight_files
 from pckernels.pml import check_answerable, parse_prompt, parse_schema
 from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
-from pckernels.store import BlockKey, BlockKeys, TieredStore, default_store_dir, parse_budgets
+from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir, parse_budgets
+from pckernels.store.remote import DEFAULT_NAMESPACE, parse_remote_url
 from pckernels.store.tiered import default_device_budget, parse_size
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,11 @@ class PromptCache:
     ``host_budget`` bytes (or ``"2GiB"``-style strings; ``None``: a quarter of the GPU or 1 GiB on
     CPU, and 4 GiB), and a disk tier of ``disk_budget`` (default 20 GiB) in ``store_dir`` —
     none unless given here; ``from_pretrained`` turns it on by default. A negative or unreadable
-    budget is a ``ValueError`` naming it, raised before the model is touched.
+    budget is a ``ValueError`` naming it, raised before the model is touched. ``remote``: a Redis/
+    Valkey URL (``redis://host:port/db``) or a :class:`~pckernels.store.RemoteTier` below disk,
+    shared by every process given the same server and ``remote_namespace``: blocks one process
+    encodes, and full prefix-cache blocks, are uploaded in the background and read by the others
+    on a local miss (``docs/store.md``).
 
     ``model_id`` names the weights in cache keys; by default every tensor is hashed
     (:func:`pckernels.integration.identity.model_fingerprint`), ``from_pretrained`` hashes the
@@ -92,8 +97,11 @@ class PromptCache:
                  store_dir: str | os.PathLike | None = None, device_budget: int | str | None = None,
                  host_budget: int | str | None = None, disk_budget: int | str | None = None,
                  model_id: str | None = None, kv_budget: int | str | None = None, max_queue: int = 256,
-                 max_batch: int = 64, step_tokens: int = 2048) -> None:
+                 max_batch: int = 64, step_tokens: int = 2048, remote: RemoteTier | str | None = None,
+                 remote_namespace: str = DEFAULT_NAMESPACE) -> None:
         budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
+        if remote is not None and not isinstance(remote, RemoteTier):
+            remote = RemoteTier(remote, namespace=remote_namespace)
         kv_bytes = None if kv_budget is None else parse_size(kv_budget, "kv_budget")
         self.device = resolve_device(device) if device is not None else next(model.parameters()).device
         self.dtype = resolve_dtype(dtype) or next(model.parameters()).dtype
@@ -104,7 +112,7 @@ class PromptCache:
         self.layout = self.adapter.kv_layout()
         self.max_positions = self.adapter.max_positions()
         self.model_id = model_id or model_fingerprint(self.model, self.dtype)
-        self.store = TieredStore(self.device, disk_dir=store_dir, **budgets)
+        self.store = TieredStore(self.device, disk_dir=store_dir, remote=remote, **budgets)
         self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.device.type, self.name,
                                      layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
                                      dtype=self.dtype)
@@ -132,12 +140,14 @@ class PromptCache:
     def from_pretrained(cls, name_or_path: str = "smollm2", *, device: str | torch.device | None = None,
                         dtype: torch.dtype | str | None = None, store_dir: str | os.PathLike | bool | None = None,
                         device_budget: int | str | None = None, host_budget: int | str | None = None,
-                        disk_budget: int | str | None = None, **engine) -> "PromptCache":
+                        disk_budget: int | str | None = None, remote: RemoteTier | str | None = None,
+                        remote_namespace: str = DEFAULT_NAMESPACE, **engine) -> "PromptCache":
         """Load a model: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct; otherwise a HF model
         id or local path (loaded offline from the local HF cache when no network is available).
 
         ``store_dir``: the disk tier's directory; ``None`` (or ``True``) is ``default_store_dir()``
         (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class;
+        ``remote`` / ``remote_namespace``: the shared Redis/Valkey tier, as in the class;
         ``engine``: the class's scheduler options (``kv_budget``, ``max_queue``, ...).
 
         Bad options are refused before the model is loaded: a budget, an unknown or unavailable
@@ -146,6 +156,8 @@ class PromptCache:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
+        if remote is not None and not isinstance(remote, RemoteTier):
+            parse_remote_url(remote)
         if engine.get("kv_budget") is not None:
             parse_size(engine["kv_budget"], "kv_budget")
         device, dtype = check_load_options(name_or_path, device, dtype)
@@ -169,7 +181,7 @@ class PromptCache:
             store_dir = default_store_dir()
         return cls(model, tokenizer, device=dev, dtype=dt, name=name, store_dir=store_dir or None,
                    device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget,
-                   model_id=model_id, **engine)
+                   model_id=model_id, remote=remote, remote_namespace=remote_namespace, **engine)
 
     # -- schemas ----------------------------------------------------------------------------------
 

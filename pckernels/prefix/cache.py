@@ -337,11 +337,14 @@ class PrefixCache:
             for block_start in range(chunk_start, chunk_end - block + 1, block):
                 block_end = block_start + block
                 at_boundary = recurrent and block_end % self.chunk_size == 0
-                self._insert_and_hold(hold, CachedEntry(
+                entry = CachedEntry(
                     key=keys[block_start // block], parent=hold.entry, start=block_start, num_tokens=block,
                     kv=self._states.kv_slice(cache, block_start, block_end),
                     states=self._states.recurrent_snapshot(cache) if at_boundary else None,
-                ))
+                )
+                self._insert_and_hold(hold, entry)
+                if self.spill is not None and self.spill.shared:
+                    self.spill.publish(entry)
 
         logits = self._run_chunks(ids, cache, start, self.chunk_size, on_chunk=store_blocks)
         full_end = len(keys) * block

@@ -2,7 +2,10 @@
 
 When the prefix cache evicts a full block from memory, its keys/values are written to the tiered
 store (the engine's module store: device, host and disk tiers) as one ``[L, 2, H, n, D]`` block.
-A later lookup whose in-memory chain ends early continues in the store. Only models whose every
+A later lookup whose in-memory chain ends early continues in the store. When the store has a
+remote tier (a fleet sharing Redis/Valkey), every full block is also published there as soon as
+it is computed (``publish``: packed and uploaded by the remote tier's writer thread), so another
+process's lookup of the same prompt continues from the server. Only models whose every
 cache layer holds growing keys/values take part: a block of such a model is fully described by
 its keys/values, while recurrent/convolution snapshots of hybrid models have no place in that
 layout.
@@ -62,6 +65,21 @@ class BlockSpill:
         return BlockKey(digest.hexdigest(), model=self.model_name, schema=SPILL_SCHEMA, module=f"block@{start}",
                         tokens=num_tokens, shape=(self.num_layers, 2, None, num_tokens, None), dtype=self.kv_dtype)
 
+    @property
+    def shared(self) -> bool:
+        """Whether the store has a remote tier, so new full blocks are published to the fleet."""
+        return self.store.remote is not None
+
+    def publish(self, entry: CachedEntry) -> bool:
+        """Queue a just-computed full block for the remote tier (packed in the writer thread, not
+        kept in the local tiers); returns whether queued."""
+        if not self.shared or not _uniform(entry):
+            return False
+        key = self.key(entry.key, entry.start, entry.num_tokens)
+        kv = entry.kv
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        return self.store.publish(key, lambda: _pack(kv, torch.device("cpu")), nbytes)
+
     def put(self, entry: CachedEntry) -> bool:
         """Write a full block's keys/values to the store unless it holds them already; returns whether written.
 
@@ -71,17 +89,10 @@ class BlockSpill:
         key = self.key(entry.key, entry.start, entry.num_tokens)
         if key in self.store:
             return False
-        first_keys = entry.kv[0][0]
-        if any(k.shape != first_keys.shape or v.shape != first_keys.shape for k, v in entry.kv):
+        if not _uniform(entry):
             log.debug("prefix block %s not spilled: its layers' keys/values differ in shape", key.module)
             return False
-        _, heads, num_tokens, head_dim = first_keys.shape
-        block = torch.empty((len(entry.kv), 2, heads, num_tokens, head_dim), dtype=first_keys.dtype,
-                            device=self.store.device)
-        for layer, (keys, values) in enumerate(entry.kv):
-            block[layer, 0].copy_(keys[0])
-            block[layer, 1].copy_(values[0])
-        self.store.put(key, block)
+        self.store.put(key, _pack(entry.kv, self.store.device))
         self.spilled_blocks += 1
         log.debug("spilled prefix block %s (%d tokens) to the store", key.module, entry.num_tokens)
         return True
@@ -102,3 +113,20 @@ class BlockSpill:
         self.restored_blocks += 1
         self.restored_tokens += num_tokens
         return CachedEntry(key=chain_key, parent=parent, start=start, num_tokens=num_tokens, kv=kv)
+
+
+def _uniform(entry: CachedEntry) -> bool:
+    """Whether every layer's keys and values have one shape (so they fit one ``[L, 2, H, n, D]`` block)."""
+    first_keys = entry.kv[0][0]
+    return all(k.shape == first_keys.shape and v.shape == first_keys.shape for k, v in entry.kv)
+
+
+def _pack(kv: list, device: torch.device) -> torch.Tensor:
+    """Per-layer ``(keys, values)`` of shape ``[1, H, n, D]`` as one block ``[L, 2, H, n, D]`` on ``device``."""
+    first_keys = kv[0][0]
+    _, heads, num_tokens, head_dim = first_keys.shape
+    block = torch.empty((len(kv), 2, heads, num_tokens, head_dim), dtype=first_keys.dtype, device=device)
+    for layer, (keys, values) in enumerate(kv):
+        block[layer, 0].copy_(keys[0])
+        block[layer, 1].copy_(values[0])
+    return block

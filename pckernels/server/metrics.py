@@ -59,22 +59,29 @@ class _EngineCollector:
         arena = sched.get("arena", {})
         yield _gauge("promptcache_kv_arena_rows_used", "KV arena rows in use", arena.get("used_rows", 0))
         yield _gauge("promptcache_kv_arena_bytes", "KV arena bytes allocated", arena.get("bytes", 0))
-        hits = CounterMetricFamily("promptcache_store_hits", "Module block hits per tier", labels=["tier"])
+        hits = CounterMetricFamily("promptcache_store_hits", "Block hits per tier", labels=["tier"])
         evictions = CounterMetricFamily("promptcache_store_evictions", "Module block evictions per tier",
                                         labels=["tier"])
         entries = GaugeMetricFamily("promptcache_store_bytes", "Bytes held per tier", labels=["tier"])
-        for tier in ("device", "host", "disk"):
+        for tier in ("device", "host", "disk", "remote"):
             t = stats.get(tier)
             if isinstance(t, dict):
                 hits.add_metric([tier], t.get("hits", 0))
-                evictions.add_metric([tier], t.get("evictions", 0))
-                entries.add_metric([tier], t.get("bytes", 0))
+                if tier != "remote":
+                    evictions.add_metric([tier], t.get("evictions", 0))
+                    entries.add_metric([tier], t.get("bytes", 0))
         yield hits
         yield evictions
         yield entries
         misses = CounterMetricFamily("promptcache_store_misses", "Module block lookups no tier held")
         misses.add_metric([], stats.get("misses", 0))
         yield misses
+        encodes = CounterMetricFamily("promptcache_store_encodes", "Module blocks encoded by this process")
+        encodes.add_metric([], stats.get("encodes", 0))
+        yield encodes
+        remote = stats.get("remote")
+        if isinstance(remote, dict):
+            yield from _remote_metrics(remote)
         prefix = stats.get("prefix")
         if isinstance(prefix, dict):
             family = CounterMetricFamily("promptcache_prefix_queries", "Plain prompts looked up in the prefix cache",
@@ -83,6 +90,33 @@ class _EngineCollector:
             family.add_metric(["hit"], hit)
             family.add_metric(["miss"], max(0, queries - hit))
             yield family
+
+
+def _remote_metrics(remote: dict):
+    """The remote (Redis/Valkey) tier's state and counters."""
+    yield _gauge("promptcache_remote_up", "1 while the remote tier answers, 0 in back-off after a fault",
+                 1 if remote.get("up") else 0)
+    yield _gauge("promptcache_remote_pending_bytes", "Bytes of blocks queued for upload",
+                 remote.get("pending_bytes", 0))
+    moved = CounterMetricFamily("promptcache_remote_bytes", "Block bytes moved to and from the remote tier",
+                                labels=["direction"])
+    moved.add_metric(["read"], remote.get("bytes_read", 0))
+    moved.add_metric(["written"], remote.get("bytes_written", 0))
+    yield moved
+    writes = CounterMetricFamily("promptcache_remote_writes", "Remote block writes by outcome", labels=["result"])
+    for result, field in (("written", "writes"), ("present", "present"), ("lost_race", "lost_races"),
+                          ("dropped", "dropped_writes")):
+        writes.add_metric([result], remote.get(field, 0))
+    yield writes
+    for name, doc, field in (("promptcache_remote_misses", "Remote lookups that found no usable block", "misses"),
+                             ("promptcache_remote_errors", "Remote connection errors and timeouts", "errors"),
+                             ("promptcache_remote_discarded", "Remote values found corrupt, foreign or incomplete",
+                              "discarded"),
+                             ("promptcache_remote_reconnects", "Times the remote tier answered again after a fault",
+                              "reconnects")):
+        family = CounterMetricFamily(name, doc)
+        family.add_metric([], remote.get(field, 0))
+        yield family
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:

@@ -1,4 +1,5 @@
-"""The module store: encoded blocks kept on the device, in (pinned) host memory and on disk.
+"""The module store: encoded blocks kept on the device, in (pinned) host memory, on disk and,
+shared by a fleet, in Redis/Valkey.
 
 See ``docs/store.md``. ``TieredStore`` is what ``PromptCache`` uses; ``BlockKeys`` makes its
 content-addressed keys.
@@ -11,6 +12,7 @@ from pathlib import Path
 from pckernels.store.disk import BlockFileError, DiskTier, list_blocks
 from pckernels.store.keys import FORMAT_VERSION, BlockKey, BlockKeys
 from pckernels.store.policy import CostModel, GreedyDualSizePolicy, LRUPolicy
+from pckernels.store.remote import RemoteTier, parse_remote_url
 from pckernels.store.tiered import TieredStore, parse_budgets, parse_size
 
 
@@ -23,5 +25,5 @@ def default_store_dir() -> Path:
 
 
 __all__ = ["BlockFileError", "BlockKey", "BlockKeys", "CostModel", "DiskTier", "FORMAT_VERSION",
-           "GreedyDualSizePolicy", "LRUPolicy", "TieredStore", "default_store_dir", "list_blocks", "parse_budgets",
-           "parse_size"]
+           "GreedyDualSizePolicy", "LRUPolicy", "RemoteTier", "TieredStore", "default_store_dir", "list_blocks", "parse_budgets",
+           "parse_remote_url", "parse_size"]

@@ -9,6 +9,10 @@ Blocks are ``[L, 2, H, n, D]`` tensors keyed by ``BlockKey``. Placement rules:
   budget its victim is dropped from memory (written to disk first if the file is missing).
   When the disk tier is over budget its victim's file is deleted (re-encoded on next use). A disk
   tier that cannot write (disk full, a file where its directory should be) turns itself off.
+* With a remote tier (Redis/Valkey, ``remote.py``) below disk, ``put`` also queues the block for
+  a background upload, a local miss reads through to the server (the block is then written to
+  disk and promoted like any other), and ``publish`` uploads blocks that stay out of the local
+  tiers (prefix-cache blocks). Remote faults only ever cost a miss.
 * ``get`` moves a block up to the device tier (returns it on the engine's device) or returns
   ``None`` when no tier holds it (the caller re-encodes and ``put``\\ s it).
 * ``prefetch`` stages blocks without evicting anything: host blocks are copied to the device
@@ -37,6 +41,7 @@ import torch
 from pckernels.store.disk import DiskTier
 from pckernels.store.keys import BlockKey
 from pckernels.store.policy import CostModel, EvictionPolicy, make_policy
+from pckernels.store.remote import DEFAULT_NAMESPACE, RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +154,14 @@ class TieredStore:
     takes the default (device: a quarter of the GPU, 1 GiB on CPU; host 4 GiB; disk 20 GiB); a
     negative or unreadable budget is a ``ValueError`` naming it, raised before anything is set up.
     ``disk_dir=None`` means no disk tier. ``policy``: ``"gds"`` (GreedyDual-Size-Frequency,
-    default) or ``"lru"``.
+    default) or ``"lru"``. ``remote``: a :class:`RemoteTier` or its URL (``redis://host:port/db``),
+    shared with other processes under ``remote_namespace``; ``None``: no remote tier.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, device_budget: int | str | None = None,
                  host_budget: int | str | None = None, disk_dir: str | os.PathLike | None = None,
-                 disk_budget: int | str | None = None, policy: str = "gds") -> None:
+                 disk_budget: int | str | None = None, policy: str = "gds",
+                 remote: RemoteTier | str | None = None, remote_namespace: str = DEFAULT_NAMESPACE) -> None:
         self.device = torch.device(device)
         on_cuda = self.device.type == "cuda"
         self.pin = on_cuda
@@ -172,6 +179,9 @@ class TieredStore:
         if disk_dir is not None:
             self.disk = DiskTier(disk_dir, DEFAULT_DISK_BUDGET if disk is None else disk,
                                  policy=policy, cost=REFILL_COST["disk"])
+        if isinstance(remote, str):
+            remote = RemoteTier(remote, namespace=remote_namespace)
+        self.remote: RemoteTier | None = remote
         self.policy = policy
         self.misses = 0
         self.dropped = 0
@@ -192,7 +202,8 @@ class TieredStore:
     def __contains__(self, key: BlockKey) -> bool:
         self._collect_loads()
         return (key in self.device_tier or key in self.host_tier or key in self._loading
-                or (self.disk is not None and key in self.disk))
+                or (self.disk is not None and key in self.disk)
+                or (self.remote is not None and self.remote.contains(key)))
 
     @_locked
     def get(self, key: BlockKey) -> torch.Tensor | None:
@@ -207,15 +218,22 @@ class TieredStore:
         if key in self.host_tier:
             self.host_tier.hits += 1
             return self._promote(key, self.host_tier.pop(key))
-        block = None
+        block, source = None, None
         if key in self._loading:
-            block = self.disk.accept(key, self._loading.pop(key).result())
+            block, source = self._accept_load(key, self._loading.pop(key).result())
         elif self.disk is not None:
-            block = self.disk.read(key, pin=self.pin)
+            block, source = self.disk.read(key, pin=self.pin), "disk"
+        if block is None and self.remote is not None and source != "remote":
+            block, source = self.remote.read(key, pin=self.pin), "remote"
+            if block is not None and self.disk is not None:
+                self.disk.write(key, block)
         if block is None:
             self.misses += 1
             return None
-        self.disk.stats.hits += 1
+        if source == "disk":
+            self.disk.stats.hits += 1
+            if self.remote is not None:
+                self.remote.write_behind(key, block, nbytes_of(block))
         return self._promote(key, block)
 
     @_locked
@@ -226,10 +244,48 @@ class TieredStore:
         self._remove_from_memory(key)
         if self.disk is not None:
             self.disk.write(key, block)
+        if self.remote is not None:
+            self.remote.write_behind(key, block, nbytes_of(block))
         if nbytes_of(block) <= self.device_tier.budget:
             self._add_device(key, block)
         else:
             self._add_host(key, self._to_host(block))
+
+    def publish(self, key: BlockKey, make_block, nbytes: int) -> bool:
+        """Queue a block for the remote tier only (not kept locally): ``make_block()`` returns it
+        ``[L, 2, H, n, D]``, called in the writer thread if the server lacks it. Returns whether
+        queued (``False`` without a remote tier or while it is unreachable or its queue is full)."""
+        if self.remote is None:
+            return False
+        return self.remote.write_behind(key, make_block, nbytes)
+
+    @_locked
+    def share(self, keys: Iterable[BlockKey]) -> int:
+        """Queue the locally held blocks of ``keys`` for the remote tier (those the server already
+        has are skipped by the writer); returns how many were queued."""
+        if self.remote is None:
+            return 0
+        queued = 0
+        for key in keys:
+            for tier in (self.device_tier, self.host_tier):
+                if key in tier:
+                    queued += self.remote.write_behind(key, tier.blocks[key], nbytes_of(tier.blocks[key]))
+                    break
+            else:
+                if self.disk is not None and key in self.disk:
+                    queued += self.remote.write_behind(key, functools.partial(self._read_for_upload, key),
+                                                       self.disk.size_of(key))
+        return queued
+
+    def _read_for_upload(self, key: BlockKey) -> torch.Tensor:
+        outcome, _ = self.disk.read_raw(key, False)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for the remote tier's queued writes (``True`` at once without one)."""
+        return True if self.remote is None else self.remote.flush(timeout_s)
 
     @_locked
     def prefetch(self, keys: Iterable[BlockKey]) -> None:
@@ -242,10 +298,31 @@ class TieredStore:
                 if nbytes_of(self.host_tier.blocks[key]) <= self.device_tier.free():
                     self._add_device(key, self._to_device(key, self.host_tier.pop(key), wait=False))
                     self.prefetched += 1
-            elif self.disk is not None and key in self.disk and self.disk.size_of(key) <= self.host_tier.free():
-                if self._loader is None:
-                    self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-prefetch")
-                self._loading[key] = self._loader.submit(self.disk.read_raw, key, self.pin)
+            elif self.disk is not None and key in self.disk:
+                if self.disk.size_of(key) <= self.host_tier.free():
+                    self._loading[key] = self._submit(self._load_disk, key)
+            elif self.remote is not None and self.remote.available and self.host_tier.free() > 0:
+                self._loading[key] = self._submit(self._load_remote, key)
+
+    def _submit(self, fn, key: BlockKey) -> Future:
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-prefetch")
+        return self._loader.submit(fn, key)
+
+    def _load_disk(self, key: BlockKey) -> tuple[str, object]:
+        return "disk", self.disk.read_raw(key, self.pin)
+
+    def _load_remote(self, key: BlockKey) -> tuple[str, object]:
+        return "remote", self.remote.read(key, pin=self.pin)
+
+    def _accept_load(self, key: BlockKey, loaded: tuple[str, object]) -> tuple[torch.Tensor | None, str]:
+        """A background read's block (``None``: absent or unusable) and where it came from."""
+        source, result = loaded
+        if source == "disk":
+            return self.disk.accept(key, result), source
+        if result is not None and self.disk is not None:
+            self.disk.write(key, result)
+        return result, source
 
     @_locked
     def record_encode(self, blocks: int, seconds: float) -> None:
@@ -286,6 +363,8 @@ class TieredStore:
                            "load_s": s.load_s, "writes": s.writes, "write_s": s.write_s,
                            "discarded": s.discarded, "discard_reasons": dict(s.reasons),
                            "skipped": s.skipped, "dir": str(self.disk.root)}
+        if self.remote is not None:
+            out["remote"] = self.remote.describe()
         out.update(misses=self.misses, dropped=self.dropped, prefetched=self.prefetched,
                    encodes=self.encodes, encode_s=self.encode_s)
         return out
@@ -302,11 +381,13 @@ class TieredStore:
 
     @_locked
     def close(self) -> None:
-        """Finish background reads and stop the loader thread."""
+        """Finish background reads, stop the loader thread, send queued remote writes (bounded)."""
         self._collect_loads(wait=True)
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
+        if self.remote is not None:
+            self.remote.close()
 
     # -- movement between tiers ---------------------------------------------------------------
 
@@ -386,7 +467,7 @@ class TieredStore:
     def _collect_loads(self, wait: bool = False) -> None:
         """Move finished background disk reads into the host tier while it has room."""
         for key in [k for k, f in self._loading.items() if wait or f.done()]:
-            block = self.disk.accept(key, self._loading.pop(key).result())
+            block, _ = self._accept_load(key, self._loading.pop(key).result())
             if block is None or key in self.device_tier or key in self.host_tier:
                 continue
             if nbytes_of(block) <= self.host_tier.free():
