@@ -245,11 +245,18 @@ def _encode_at_barrier(model, tokenizer, url, barrier):
     pc.add_schema(SCHEMA)
     out = {name: _summary(r) for name, r in answers(pc).items()}
     assert pc.store.flush(30)
+    encodes = pc.stats()["encodes"]
     pc.close()
-    return out
+    return out, encodes
 
 
 def test_two_processes_encoding_at_once_leave_one_copy(model, tokenizer, redis_server):
+    """Both start encoding the same schema at one barrier: the encoding leases make each unit
+    encoded once across the two (the other waits for its upload), and one copy of each is stored."""
+    solo = PromptCache(model, tokenizer)
+    solo.add_schema(SCHEMA)
+    units = solo.stats()["encodes"]
+    solo.close()
     ctx = multiprocessing.get_context("fork")
     barrier = ctx.Barrier(2)
     queue = ctx.Queue()
@@ -261,7 +268,10 @@ def test_two_processes_encoding_at_once_leave_one_copy(model, tokenizer, redis_s
     for p in procs:
         p.join(timeout=30)
     assert all(status == "ok" for status, _ in results), results
-    assert results[0][1] == results[1][1]
+    (first, first_encodes), (second, second_encodes) = (value for _, value in results)
+    assert first == second
+    assert first_encodes + second_encodes == units, (first_encodes, second_encodes, units)
+    assert not list(redis_server.client().scan_iter(match="promptcache:lease:*")), "a lease was left behind"
     client = redis_server.client()
     writers: dict[bytes, set[bytes]] = {}
     for name in client.scan_iter(match="promptcache:kv:*:*:*"):
@@ -271,6 +281,22 @@ def test_two_processes_encoding_at_once_leave_one_copy(model, tokenizer, redis_s
     assert metas and set(writers) <= set(metas)
     for digest, meta in metas.items():
         assert writers.get(digest, set()) <= {meta["writer"].encode()}, "a losing writer's chunks were left"
+
+
+def test_a_lease_whose_holder_never_uploads_is_waited_out(model, tokenizer, redis_server, expected):
+    """A holder that died mid-encode leaves its lease: the others wait until it expires, then encode."""
+    pc = PromptCache(model, tokenizer, remote=RemoteTier(redis_server.url, lease_s=1.0))
+    client = redis_server.client()
+    schema = pc.parse_schema(SCHEMA)
+    first = pc.block_key(schema, next(name for name, m in schema.modules.items() if m.cached))
+    client.set(pc.store.remote.lease_key(first.digest), "a-dead-process", px=800)
+    t0 = time.monotonic()
+    pc.add_schema(SCHEMA)
+    waited = time.monotonic() - t0
+    assert 0.5 < waited < 5, waited
+    for name, result in answers(pc).items():
+        assert same(result, expected[name]), name
+    pc.close()
 
 
 def test_tenants_never_share_or_collide(model, tokenizer, redis_server):

@@ -5,7 +5,8 @@ ancestors' blocks (placed in a private assembly buffer) and to its own earlier t
 scaffold's members are read together. The blocks ``[L, 2, H, n, D]`` go to the tiered store.
 The encoder's buffer is its own, so encoding never touches rows of requests in flight. Each unit
 runs under the engine's model lock (``lock``), so a long schema interleaves with the scheduler's
-steps instead of stalling them.
+steps instead of stalling them. With a remote tier, a unit another process is encoding (it holds
+the unit's lease) is waited for, outside the model lock, and read from the server instead.
 """
 
 from __future__ import annotations
@@ -66,9 +67,17 @@ class ModuleEncoder:
         if on_progress is not None:
             on_progress(0, len(todo))
         for done, (scaffold, members) in enumerate(iterator, 1):
-            with self.lock:
-                if self.block_key(schema, members[0], scaffold) not in self.store:
-                    self.encode_unit(schema, scaffold, members)
+            key = self.block_key(schema, members[0], scaffold)
+            if self.store.claim(key) or not self.store.wait_for(key):
+                encoded = False
+                try:
+                    with self.lock:
+                        if key not in self.store:
+                            self.encode_unit(schema, scaffold, members)
+                            encoded = True
+                finally:
+                    if not encoded:
+                        self.store.release(key)
             if on_progress is not None:
                 on_progress(done, len(todo))
         log.info("encoded %d blocks (%d tokens) of schema %r in %.2f s", len(todo), tokens, schema.name,

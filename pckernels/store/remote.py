@@ -14,6 +14,11 @@ one copy. A reader checks the metadata against the key (format, digest, shape, d
 chunk is there and has its length, then the sha256. A value that fails is deleted and reported as
 a miss: the engine encodes the block again (and writes it back).
 
+Encoding leases keep a fleet from encoding one block many times at once: before encoding, a
+process claims the block (``SET NX PX`` on ``{ns}:lease:{d}``); the others ``wait_for`` its
+upload instead, and encode it themselves if the lease goes away without one (the holder failed
+or died: the lease expires after ``lease_s``). The writer releases the lease after the upload.
+
 Faults degrade to the local tiers: a connection error or timeout puts the tier in back-off (no
 remote calls for 0.25 s, doubling to 30 s) with one warning, then a single call probes it again;
 "OOM" refusals (a full server without eviction) drop that write. Eviction is left to the server
@@ -50,6 +55,9 @@ DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_CONNECT_TIMEOUT_S = 0.5
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 BACKOFF_S = (0.25, 30.0)
+DEFAULT_LEASE_S = 120.0
+"""How long an encoding lease lasts if its holder never releases it (crashed mid-encode)."""
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 PIPELINE_BYTES = 64 << 20
 """Bytes of chunks fetched or sent per pipeline round trip (bounds the memory in flight)."""
 
@@ -121,7 +129,8 @@ class RemoteTier:
     fleets or deployments on one server); ``chunk_bytes``: size of the value chunks;
     ``timeout_s`` / ``connect_timeout_s``: per socket operation; ``max_pending_bytes``: bytes of
     blocks waiting for the background writer before further writes are dropped; ``backoff_s``:
-    the first and the longest pause after a fault (doubling in between). ``client``: a
+    the first and the longest pause after a fault (doubling in between); ``lease_s``: lifetime of an
+    encoding lease nobody releases. ``client``: a
     ready ``redis.Redis`` (tests); otherwise one is made from ``url`` (hiredis parses replies where
     installed). Thread-safe: reads may come from any thread; writes go through one writer thread.
     """
@@ -129,7 +138,7 @@ class RemoteTier:
     def __init__(self, url: str, *, namespace: str = DEFAULT_NAMESPACE, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
                  max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, backoff_s: tuple[float, float] = BACKOFF_S,
-                 client=None) -> None:
+                 lease_s: float = DEFAULT_LEASE_S, client=None) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -143,6 +152,9 @@ class RemoteTier:
         self.chunk_bytes = int(chunk_bytes)
         self.max_pending_bytes = int(max_pending_bytes)
         self.backoff_s = (float(backoff_s[0]), float(backoff_s[1]))
+        self.lease_s = float(lease_s)
+        self._leases: dict[str, str] = {}
+        """digest -> token of the encoding leases this process holds."""
         self._redis = redis
         self.client = client if client is not None else redis.Redis.from_url(
             self.url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s,
@@ -168,6 +180,57 @@ class RemoteTier:
 
     def chunk_key(self, digest: str, writer: str, index: int) -> str:
         return f"{self.namespace}:kv:{digest}:{writer}:{index}"
+
+    def lease_key(self, digest: str) -> str:
+        return f"{self.namespace}:lease:{digest}"
+
+    # -- encoding leases -----------------------------------------------------------------------
+
+    def claim(self, key: BlockKey) -> bool:
+        """Whether this process should encode ``key``: ``True`` when it took the lease (released after
+        its upload) or the server cannot be asked; ``False`` while another process holds it."""
+        token = uuid.uuid4().hex
+        try:
+            taken = self._call("claiming a block", lambda: self.client.set(
+                self.lease_key(key.digest), token, nx=True, px=max(1, int(self.lease_s * 1000))), True)
+        except self._redis.RedisError as exc:
+            log.debug("cannot take the lease of %s (%s); encoding without one", key.digest[:16], exc)
+            return True
+        if taken:
+            with self._lock:
+                self._leases[key.digest] = token
+            return True
+        return False
+
+    def wait_for(self, key: BlockKey, timeout_s: float | None = None, poll_s: float = 0.05) -> bool:
+        """Wait for another process's upload of ``key``: ``True`` once the server holds it, ``False``
+        when the lease is gone without it (or ``timeout_s``, default ``lease_s``, passed, or the
+        server faults) — then encode it here."""
+        deadline = time.monotonic() + (self.lease_s if timeout_s is None else timeout_s)
+        while time.monotonic() < deadline:
+            try:
+                state = self._call("waiting for a block", lambda: self.client.pipeline(transaction=False).exists(
+                    self.meta_key(key.digest)).exists(self.lease_key(key.digest)).execute())
+            except self._redis.RedisError:
+                return False
+            if state is None:
+                return False
+            if state[0]:
+                return True
+            if not state[1]:
+                return bool(self.contains(key))
+            time.sleep(poll_s)
+        return False
+
+    def release(self, key: BlockKey) -> None:
+        """Give up this process's lease on ``key`` (if it holds one)."""
+        with self._lock:
+            token = self._leases.pop(key.digest, None)
+        if token is not None:
+            try:
+                self._call("releasing a lease", lambda: self.client.eval(_RELEASE, 1, self.lease_key(key.digest), token))
+            except self._redis.RedisError as exc:
+                log.debug("cannot release the lease of %s: %s", key.digest[:16], exc)
 
     # -- health ------------------------------------------------------------------------------
 
@@ -328,14 +391,16 @@ class RemoteTier:
         upload unless the server already has it; returns whether it was queued. Never waits on the
         server. ``nbytes``: the block's size, for the pending-bytes bound."""
         with self._lock:
-            if self._closed or not self.available:
+            refused = bool(self._closed or not self.available or (
+                self._pending_bytes + nbytes > self.max_pending_bytes and self._pending_bytes))
+            if refused:
                 self.stats.dropped_writes += 1
-                return False
-            if self._pending_bytes + nbytes > self.max_pending_bytes and self._pending_bytes:
-                self.stats.dropped_writes += 1
-                return False
-            self._pending_bytes += nbytes
-            self._inflight += 1
+            else:
+                self._pending_bytes += nbytes
+                self._inflight += 1
+        if refused:
+            self.release(key)
+            return False
         self._queue.put((key, block, nbytes))
         return True
 
@@ -366,6 +431,7 @@ class RemoteTier:
                 with self._lock:
                     self.stats.dropped_writes += 1
             finally:
+                self.release(key)
                 with self._idle:
                     self._pending_bytes -= nbytes
                     self._inflight -= 1

@@ -283,6 +283,20 @@ class TieredStore:
             raise outcome
         return outcome
 
+    def claim(self, key: BlockKey) -> bool:
+        """Whether to encode ``key`` here: ``False`` only while another process of the fleet holds its
+        encoding lease (then :meth:`wait_for` its upload). Always ``True`` without a remote tier."""
+        return True if self.remote is None else self.remote.claim(key)
+
+    def wait_for(self, key: BlockKey) -> bool:
+        """Wait for another process's upload of ``key``; whether the remote tier now holds it."""
+        return False if self.remote is None else self.remote.wait_for(key)
+
+    def release(self, key: BlockKey) -> None:
+        """Give up the encoding lease of ``key`` early (no-op when not held; the upload releases it too)."""
+        if self.remote is not None:
+            self.remote.release(key)
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for the remote tier's queued writes (``True`` at once without one)."""
         return True if self.remote is None else self.remote.flush(timeout_s)
