@@ -205,7 +205,10 @@ class Compiler:
                 chain.append((None, orelse))
         tests = [None if test is None else self.test(test, bindings) for test, _ in chain]
         labels = [_test_label(t) for t in tests]
-        return self._choice(chain, tests, labels, _common_subject(tests) or "choice", bindings, scope,
+        flag = tests[0].name if isinstance(tests[0], n.Arg) else None
+        if flag and len(tests) == 2 and tests[1] is None:
+            labels[1] = f"not-{flag}"
+        return self._choice(chain, tests, labels, _common_subject(tests) or flag or "choice", bindings, scope,
                             single=len(chain) == 1)
 
     def _choice(self, chain, tests, labels, hint: str, bindings, scope: Scope, *, single: bool) -> list[n.Node]:
