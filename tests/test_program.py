@@ -8,15 +8,15 @@ from __future__ import annotations
 import re
 import threading
 
-import pytest
-
 import program_examples as ex
+import pytest
+from pml_tokenizers import BOS_TEMPLATE, byte_tokenizer
+from test_engine import FP32_TOL, tiny_llama, tokenizer  # noqa: F401  (tokenizer is a fixture)
+
 from pckernels.engine import PromptCache
 from pckernels.errors import PMLError, ProgramError
 from pckernels.pml import ROOT, parse_prompt, parse_schema
 from pckernels.program import Program, ProgramCall, chat_format, program
-from pml_tokenizers import BOS_TEMPLATE, byte_tokenizer
-from test_engine import FP32_TOL, tiny_llama, tokenizer  # noqa: F401  (tokenizer is a fixture)
 
 CASES = {
     # name: (program, args, kwargs, token ids equal to the whole rendered string's)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import inspect
 from typing import Annotated
 
+import program_examples as ex
 import pytest
 
-import program_examples as ex
 from pckernels.errors import ProgramError
 from pckernels.program import MaxTokens, assistant, program, system, user
 
@@ -79,7 +79,7 @@ def arbitrary_call(name: Q) -> str:
 
 def method_call(name: Q) -> str:
     p = "Hello "
-    p += ", ".join(["a", "b"])  # <-
+    p += ", ".join(["a", "b"])  # noqa: FLY002  # <-
     return p
 
 
@@ -114,7 +114,7 @@ def guard(n: int) -> str:
 def capture(n: int) -> str:
     p = "x"
     match n:
-        case [a, b]:  # <-
+        case [a, b]:  # noqa: F841  # <-
             p += "two"
     return p
 

@@ -17,54 +17,16 @@ from __future__ import annotations
 
 import ast
 import builtins
-import enum
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from pckernels.errors import ProgramError
 from pckernels.program import nodes as n
+from pckernels.program.names import Scope, value_label
 from pckernels.program.roles import ROLE_HELPERS
 
-_KEYWORDS = frozenset({"module", "scaffold", "system", "user", "assistant", "union", "param", "parameter",
-                       "schema", "prompt"})
 _MISSING = object()
-
-
-def _safe_name(hint: str) -> str:
-    """``hint`` as a PML name that is also an XML tag name and no PML keyword."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", hint).strip("_.-")[:60] or "m"
-    if not (name[0].isalpha() or name[0] == "_") or name.lower().startswith("xml"):
-        name = "m" + name
-    return name + "-m" if name in _KEYWORDS else name
-
-
-class Scope:
-    """Names taken in one PML scope (the program's root or a module): modules and parameters."""
-
-    def __init__(self) -> None:
-        self.taken: set[str] = set()
-
-    def take(self, hint: str) -> str:
-        base = _safe_name(hint)
-        name, index = base, 2
-        while name in self.taken:
-            name, index = f"{base}-{index}", index + 1
-        self.taken.add(name)
-        return name
-
-
-def value_label(value: Any, index: int) -> str:
-    """A readable name part for a case value (``case{index}`` when none fits)."""
-    if isinstance(value, enum.Enum):
-        return value.name
-    if isinstance(value, bool) or value is None:
-        return str(value).lower()
-    if isinstance(value, int):
-        return str(value) if value >= 0 else f"neg{-value}"
-    if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", value):
-        return value
-    return f"case{index}"
 
 
 @dataclass
@@ -97,7 +59,7 @@ class Compiled:
     """``(name, object, snapshot)`` of the globals read (a snapshot of mutable containers)."""
 
 
-def _snapshot(value: Any) -> Any:
+def snapshot(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(value)
     if isinstance(value, (dict, set)):
@@ -218,7 +180,7 @@ class Compiler:
             if test is not None and _is_static(test):
                 try:
                     taken = bool(test.eval({}))
-                except Exception as exc:
+                except Exception as exc:  # the constants' own comparison failed: refuse, located
                     raise self.error(test_node, f"this test over constants fails: {exc}") from None
                 if not taken:
                     continue
@@ -460,7 +422,7 @@ class Compiler:
                 return _MISSING
             try:
                 return getattr(base, expr.attr)
-            except Exception as exc:
+            except Exception as exc:  # whatever reading the constant raised: refuse, located
                 raise self.error(expr, f"cannot read this constant: {exc}") from None
         if isinstance(expr, ast.Subscript):
             base, index = self.static(expr.value, bindings), self.static(expr.slice, bindings)
@@ -468,7 +430,7 @@ class Compiler:
                 return _MISSING
             try:
                 return base[index]
-            except Exception as exc:
+            except Exception as exc:  # whatever reading the constant raised: refuse, located
                 raise self.error(expr, f"cannot read this constant: {exc}") from None
         if isinstance(expr, (ast.Tuple, ast.List, ast.Set)):
             values = [self.static(e, bindings) for e in expr.elts]
@@ -504,7 +466,7 @@ class Compiler:
             if value is _MISSING:
                 raise self.error(expr, f"unknown name {name!r}: define it before the program")
             return value
-        self.watched[name] = (value, _snapshot(value))
+        self.watched[name] = (value, snapshot(value))
         return value
 
 

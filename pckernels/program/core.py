@@ -9,12 +9,21 @@ import inspect
 import logging
 import textwrap
 import typing
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pckernels.errors import ProgramError
 from pckernels.program import nodes as n
-from pckernels.program.compiler import Compiler, Source, _safe_name
-from pckernels.program.emit import Argument, Structure, schema_body, split_tail, write_prompt, write_schema
+from pckernels.program.compiler import Compiler, Source, snapshot
+from pckernels.program.emit import (
+    Argument,
+    Structure,
+    schema_body,
+    split_tail,
+    write_prompt,
+    write_schema,
+)
+from pckernels.program.names import safe_name
 from pckernels.program.roles import MaxTokens, chat_format
 
 log = logging.getLogger(__name__)
@@ -50,14 +59,14 @@ class Program:
         head = self.nodes[:self.tail_start]
         qualname = function.__qualname__.replace("<locals>.", "")
         digest = hashlib.sha256(schema_body(head).encode("utf-8")).hexdigest()[:12]
-        self.schema_name = f"{_safe_name(name or qualname)[:100]}-{digest}"
+        self.schema_name = f"{safe_name(name or qualname)[:100]}-{digest}"
         schema, structure = write_schema(self.schema_name, head)
         self.schema: str = schema
         self.structure: Structure = structure
         log.debug("compiled %s into schema %r (%d modules)", qualname, self.schema_name,
                   len(self.structure.modules))
 
-    def __call__(self, *args: Any, **kwargs: Any) -> "ProgramCall":
+    def __call__(self, *args: Any, **kwargs: Any) -> ProgramCall:
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -80,11 +89,9 @@ class Program:
     def check_constants(self) -> None:
         """Refuse (``ProgramError``) when a global the program was compiled from has changed
         since (rebound, or a list's elements changed): its schema would no longer match."""
-        from pckernels.program.compiler import _snapshot
-
         for namespace, name, obj, snap in self._watched:
             current = namespace.get(name, _MISSING)
-            if current is not obj or (snap is not None and _snapshot(current) != snap):
+            if current is not obj or (snap is not None and snapshot(current) != snap):
                 raise ProgramError(f"{name!r} changed after {self.function.__qualname__} was compiled from "
                                    "it; decorate the program again (or keep its constants constant)")
 
@@ -100,7 +107,7 @@ class ProgramCall:
     program's function can call another program like a function returning ``str``.
     """
 
-    __slots__ = ("program", "args", "kwargs", "prompt", "arguments")
+    __slots__ = ("args", "arguments", "kwargs", "program", "prompt")
 
     def __init__(self, program: Program, args: tuple, kwargs: dict, prompt: str,
                  arguments: tuple[Argument, ...]) -> None:
@@ -196,7 +203,7 @@ def _params(function: Callable, signature: inspect.Signature, tree: ast.Function
     """Parameter name -> its ``MaxTokens`` limit (``None``: none declared)."""
     try:
         hints = typing.get_type_hints(function, include_extras=True)
-    except Exception:
+    except Exception:  # an annotation that does not evaluate: read the raw ones (no MaxTokens there)
         hints = dict(getattr(function, "__annotations__", {}))
     args = {a.arg: a for a in tree.args.posonlyargs + tree.args.args + tree.args.kwonlyargs}
     out: dict[str, int | None] = {}

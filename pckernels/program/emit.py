@@ -11,11 +11,12 @@ last*).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from pckernels.program import nodes as n
-from pckernels.program.compiler import Scope
+from pckernels.program.names import Scope
 
 _INVALID_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 _TEXT_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", "\r": "&#13;"}
@@ -57,7 +58,7 @@ class _Writer:
     def empty(self, tag: str, attrs: Mapping[str, str] | None = None) -> None:
         self.items.append(("empty", self._tag(tag, attrs)))
 
-    def element(self, tag: str, attrs: Mapping[str, str], inner: "_Writer") -> None:
+    def element(self, tag: str, attrs: Mapping[str, str], inner: _Writer) -> None:
         if inner.items:
             self.open(tag, attrs)
             self.items += inner.items
@@ -101,7 +102,7 @@ def split_tail(nodes: tuple[n.Node, ...]) -> int:
     if start is None:
         start = len(nodes) - 1 if last + 1 < len(nodes) else len(nodes)
     if start == 0:
-        start = 1 if len(nodes) > 1 else len(nodes)
+        start = min(len(nodes), 1)
     return start
 
 

@@ -10,8 +10,9 @@ compile-time constants only, and evaluate exactly as Python would.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Union as TypingUnion
+from typing import Any
 
 
 class Expr:
@@ -133,7 +134,7 @@ class Role:
     is the generation prompt (``assistant()``)."""
 
     role: str
-    body: tuple["Node", ...] | None
+    body: tuple[Node, ...] | None
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class Module:
 
     name: str
     test: Expr | None
-    body: tuple["Node", ...]
+    body: tuple[Node, ...]
     call: Call | None = None
 
 
@@ -164,7 +165,7 @@ class Member:
 
     name: str
     test: Expr | None
-    body: tuple["Node", ...]
+    body: tuple[Node, ...]
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ class Union:
         return None
 
 
-Node = TypingUnion[Text, Slot, Role, Module, Union]
+Node = Text | Slot | Role | Module | Union
 
 
 def is_structure(node: Node) -> bool:

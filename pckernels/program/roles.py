@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from pckernels.pml.roles import PLAIN_FORMAT, RoleFormat, role_format
 
