@@ -15,6 +15,7 @@ from rich.table import Table
 from pckernels.cli_common import check_model_options, console, fail, load_engine
 from pckernels.cli_store import cache_app, encode
 from pckernels.cli_bench import CONTEXT as BENCH_CONTEXT, bench
+from pckernels.cli_compile import compile_programs
 from pckernels.cli_eval import register as register_eval
 from pckernels.cli_serve import serve
 
@@ -111,6 +112,7 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
 
 app.command()(encode)
 app.command()(serve)
+app.command(name="compile")(compile_programs)
 app.command(context_settings=BENCH_CONTEXT)(bench)
 app.add_typer(cache_app, name="cache")
 register_eval(app)

@@ -83,3 +83,24 @@ class DeadlineExceeded(TimeoutError):
     def __init__(self, token_ids: list[int] | None = None) -> None:
         self.token_ids = list(token_ids or [])
         super().__init__(f"the request's deadline passed after {len(self.token_ids)} tokens")
+
+
+class ProgramError(ValueError):
+    """A prompt program (``pckernels.program``) was refused: a construct it cannot compile (at
+    decoration time) or arguments it cannot take (at call time).
+
+    ``filename``, ``line`` and ``column`` (1-based) locate the Python source of the construct
+    (``None`` when the problem is not tied to it, e.g. an argument longer than its
+    ``MaxTokens``); the message says what was wrong and what to write instead.
+    """
+
+    def __init__(self, message: str, *, filename: str | None = None, line: int | None = None,
+                 column: int | None = None) -> None:
+        self.message = message
+        self.filename = filename
+        self.line = line
+        self.column = column
+        where = ""
+        if line is not None:
+            where = f"{filename or '<source>'}:{line}" + (f":{column}" if column is not None else "") + ": "
+        super().__init__(where + message)

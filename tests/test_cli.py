@@ -210,3 +210,33 @@ def test_demo_fails_when_a_cached_answer_differs_from_the_reference(model_dir, c
     monkeypatch.setattr(PromptCache, "generate", generate)
     result = CliRunner().invoke(app, ["demo", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "1"])
     assert result.exit_code == 0, result.output
+
+
+def test_compile_prints_the_schemas_of_a_files_programs(tmp_path):
+    import program_examples as ex
+    from pckernels.pml import parse_schema
+    from pml_tokenizers import byte_tokenizer
+
+    path = ex.__file__
+    result = CliRunner().invoke(app, ["compile", path])
+    assert result.exit_code == 0, result.output
+    for prog in (ex.literal, ex.flag, ex.rag, ex.planner, ex.odd):
+        assert prog.schema in result.output
+    one = CliRunner().invoke(app, ["compile", f"{path}:rag"])
+    assert one.exit_code == 0 and one.output == ex.rag.schema + "\n"
+    assert parse_schema(one.output, byte_tokenizer()).name == ex.rag.schema_name
+
+
+def test_compile_refusals_are_one_located_line(tmp_path):
+    bad = tmp_path / "bad[x].py"
+    bad.write_text("from pckernels.program import program\n\n@program\ndef p(n: int) -> str:\n"
+                   "    s = 'x'\n    while n:\n        s += 'y'\n    return s\n", encoding="utf-8")
+    assert_one_line_error(CliRunner().invoke(app, ["compile", str(bad)]), f"{bad}:6:5:", "while loops")
+    empty = tmp_path / "empty.py"
+    empty.write_text("X = 1\n", encoding="utf-8")
+    assert_one_line_error(CliRunner().invoke(app, ["compile", str(empty)]), "defines no prompt programs")
+    assert_one_line_error(CliRunner().invoke(app, ["compile", f"{empty}:X"]), "'X'", "is not a prompt program")
+    assert_one_line_error(CliRunner().invoke(app, ["compile", str(tmp_path / "none.py")]), "no such file")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def (:\n", encoding="utf-8")
+    assert_one_line_error(CliRunner().invoke(app, ["compile", str(broken)]), "broken.py:1")

@@ -32,6 +32,7 @@ from pckernels.integration.identity import model_fingerprint, weight_files
 from pckernels.pml import check_answerable, parse_prompt, parse_schema
 from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
+from pckernels.program.core import ProgramCall
 from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir, parse_budgets
 from pckernels.store.remote import DEFAULT_NAMESPACE, parse_remote_url
 from pckernels.store.tiered import default_device_budget, parse_size
@@ -125,6 +126,7 @@ class PromptCache:
         self.encoder = ModuleEncoder(self.adapter, self.store, self.layout, dtype=self.dtype, device=self.device,
                                      block_key=self.block_key, lock=self.model_lock)
         self._install_lock = threading.Lock()
+        self._program_lock = threading.Lock()
         self.deviation = DeviationScores(self)
         self._prefix = None
         self._prefix_lock = threading.Lock()
@@ -285,13 +287,30 @@ class PromptCache:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def resolve(self, prompt: str | ResolvedPrompt, *, salt: str = "") -> ResolvedPrompt:
-        """Parse a PML prompt against the schemas of ``salt``'s namespace (:meth:`schemas_for`)."""
+    def resolve(self, prompt: str | ResolvedPrompt | ProgramCall, *, salt: str = "") -> ResolvedPrompt:
+        """Parse a PML prompt against the schemas of ``salt``'s namespace (:meth:`schemas_for`); a
+        prompt program's call (``pckernels.program``) against its own schema, installed on first use."""
         if isinstance(prompt, ResolvedPrompt):
             return prompt
+        if isinstance(prompt, ProgramCall):
+            return self._resolve_program(prompt, salt)
         return parse_prompt(prompt, self.schemas_for(salt))
 
-    def request(self, prompt: str | ResolvedPrompt, *, max_new_tokens: int = 64, mode: str = "cached",
+    def _resolve_program(self, call: ProgramCall, salt: str) -> ResolvedPrompt:
+        """Check the call's arguments, install its program's schema once (encoding it; concurrent
+        first calls wait for one install) and resolve its prompt. Bad arguments change nothing."""
+        call.check(self.tokenizer)
+        schema = self.schemas_for(salt, shared=False).get(call.schema_name)
+        if schema is None or schema.source != call.schema:
+            with self._program_lock:
+                schema = self.schemas_for(salt, shared=False).get(call.schema_name)
+                if schema is None or schema.source != call.schema:
+                    parsed = self.parse_schema(call.schema, salt=salt)
+                    parse_prompt(call.prompt, {parsed.name: parsed})
+                    schema = self.install_schema(parsed)
+        return parse_prompt(call.prompt, {schema.name: schema})
+
+    def request(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
                 temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
                 seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
                 deadline_s: float | None = None, salt: str = "") -> Request:
@@ -336,11 +355,12 @@ class PromptCache:
             raise TypeError("options go into the Request when one is given")
         return self.scheduler.submit(request)
 
-    def generate(self, prompt: str | ResolvedPrompt, *, max_new_tokens: int = 64, mode: str = "cached",
+    def generate(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
                  temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
                  seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
                  deadline_s: float | None = None) -> GenerationResult:
-        """Answer a PML prompt. See the class docstring for ``mode``.
+        """Answer a PML prompt, or a prompt program's call (``program(args…)``, ``docs/program.md``).
+        See the class docstring for ``mode``.
 
         ``recompute`` (cached and reference modes): the share of the imported modules' stale
         tokens (``plan.stale_tokens``) computed afresh in the prompt's forward, attending like
@@ -352,7 +372,7 @@ class PromptCache:
                            stop=stop, seed=seed, recompute=recompute, recompute_policy=recompute_policy,
                            deadline_s=deadline_s).result()
 
-    def stream(self, prompt: str | ResolvedPrompt, *, max_new_tokens: int = 64, mode: str = "cached",
+    def stream(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
                temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
                seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
                deadline_s: float | None = None) -> Iterator[str]:
@@ -388,6 +408,8 @@ class PromptCache:
 
         submitted = time.perf_counter()
         params = _params(max_new_tokens, temperature, top_p, stop, seed)
+        if isinstance(prompt, ProgramCall):
+            prompt = prompt.render(self.tokenizer)
         ids = encode_prompt(self.tokenizer, prompt)
         self.prefix.check_length(len(ids))
         return Request(params, "prefix", list(ids), list(range(len(ids))), prefix=PrefixPrefill(list(ids), reuse, salt),
@@ -396,8 +418,9 @@ class PromptCache:
     def complete(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,
                  top_p: float = 1.0, stop: str | list[str] | None = None, seed: int | None = None,
                  deadline_s: float | None = None) -> GenerationResult:
-        """Generate after any prompt — text, token ids or chat messages, no PML needed — reusing
-        the longest cached prefix exactly (``docs/prefix.md``); ``reuse=False`` computes it all in
+        """Generate after any prompt — text, token ids, chat messages or a prompt program's call (its
+        rendered text), no PML needed — reusing the longest cached prefix exactly
+        (``docs/prefix.md``); ``reuse=False`` computes it all in
         the same chunks, so both give bitwise-equal first logits. The prompt is read alone; its
         decoding joins the batch of whatever else is running."""
         return self.submit(self.complete_request(prompt, max_new_tokens=max_new_tokens, reuse=reuse,
