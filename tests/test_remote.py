@@ -239,6 +239,25 @@ def test_a_fresh_process_answers_from_blocks_another_encoded(model, tokenizer, r
     assert stats["disk"]["entries"] > 0, "blocks read from the remote tier were not kept on local disk"
 
 
+def test_installing_a_schema_the_fleet_has_loads_it_in_the_background(model, tokenizer, redis_server, expected):
+    seed = PromptCache(model, tokenizer, remote=redis_server.url)
+    seed.add_schema(SCHEMA)
+    blocks = len(seed.store)
+    assert seed.store.flush(10)
+    seed.close()
+    pc = PromptCache(model, tokenizer, remote=redis_server.url)
+    pc.add_schema(SCHEMA)
+    deadline = time.monotonic() + 20
+    while pc.stats()["prefetched"] < blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(pc.store) == blocks and pc.stats()["encodes"] == 0
+    reads = pc.stats()["remote"]["hits"]
+    for name, result in answers(pc).items():
+        assert same(result, expected[name]), name
+    assert pc.stats()["remote"]["hits"] == reads, "a query went to Redis for a block install had loaded"
+    pc.close()
+
+
 def _encode_at_barrier(model, tokenizer, url, barrier):
     pc = PromptCache(model, tokenizer, remote=url)
     barrier.wait()

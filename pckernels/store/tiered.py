@@ -219,6 +219,8 @@ class TieredStore:
             self.host_tier.hits += 1
             return self._promote(key, self.host_tier.pop(key))
         block, source = None, None
+        if key in self._loading and self._loading[key].cancel():
+            del self._loading[key]
         if key in self._loading:
             block, source = self._accept_load(key, self._loading.pop(key).result())
         elif self.disk is not None:
@@ -317,6 +319,24 @@ class TieredStore:
                     self._loading[key] = self._submit(self._load_disk, key)
             elif self.remote is not None and self.remote.available and self.host_tier.free() > 0:
                 self._loading[key] = self._submit(self._load_remote, key)
+
+    @_locked
+    def warm(self, keys: Iterable[BlockKey]) -> int:
+        """Start background reads, into the host tier while it has room, of the ``keys`` only the
+        remote tier holds (a schema another process encoded); returns how many were started."""
+        if self.remote is None:
+            return 0
+        self._collect_loads()
+        started = 0
+        for key in keys:
+            if (key in self.device_tier or key in self.host_tier or key in self._loading
+                    or (self.disk is not None and key in self.disk)):
+                continue
+            if not self.remote.available or self.host_tier.free() <= 0:
+                break
+            self._loading[key] = self._submit(self._load_remote, key)
+            started += 1
+        return started
 
     def _submit(self, fn, key: BlockKey) -> Future:
         if self._loader is None:
