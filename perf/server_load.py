@@ -182,7 +182,7 @@ async def cell(url: str, model: str, method: str, workload: Workload, clients: i
             "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] or 0 for r in results),
             "mean_cached_tokens": statistics.fmean(r["cached_tokens"] or 0 for r in results),
             "tokens_per_s": sum(r["completion_tokens"] or 0 for r in results) / wall,
-            "busy_retries": sum(r["busy"] for r in results)}
+            "busy_retries": sum(r["busy"] for r in results), "ttft_samples_s": ttft}
 
 
 def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:

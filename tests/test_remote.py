@@ -239,14 +239,14 @@ def test_a_fresh_process_answers_from_blocks_another_encoded(model, tokenizer, r
     assert stats["disk"]["entries"] > 0, "blocks read from the remote tier were not kept on local disk"
 
 
-def test_installing_a_schema_the_fleet_has_loads_it_in_the_background(model, tokenizer, redis_server, expected):
+def test_warming_a_schema_the_fleet_has_loads_it_in_the_background(model, tokenizer, redis_server, expected):
     seed = PromptCache(model, tokenizer, remote=redis_server.url)
     seed.add_schema(SCHEMA)
     blocks = len(seed.store)
     assert seed.store.flush(10)
     seed.close()
     pc = PromptCache(model, tokenizer, remote=redis_server.url)
-    pc.add_schema(SCHEMA)
+    assert pc.warm_schema(pc.add_schema(SCHEMA)) == blocks
     deadline = time.monotonic() + 20
     while pc.stats()["prefetched"] < blocks and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -449,3 +449,19 @@ def test_an_evicted_chunk_is_detected_and_re_encoded(model, tokenizer, redis_ser
         assert same(result, expected[name]), name
     assert third.stats()["encodes"] == 0 and third.stats()["remote"]["discarded"] == 0
     third.close()
+
+
+def test_the_remote_benchmark_runs(tmp_path):
+    """``perf.remote_fleet``'s cold-process part end to end, tiny: every way gives the seed's output
+    and the remote way encodes nothing."""
+    from perf import remote_fleet
+
+    out = tmp_path / "remote"
+    assert remote_fleet.main(["--repeats", "1", "--servers", "0", "--rag", "2", "24", "1", "--threads", "1",
+                              "--out", str(out)]) == 0
+    result = json.loads((out / "remote_fleet.json").read_text())
+    modes = result["cold"]["modes"]
+    assert all(m["same_output"] for m in modes.values())
+    assert modes["remote"]["encodes"] == 0 and modes["encode"]["encodes"] > 0
+    assert modes["remote"]["bytes_per_cached_token"] > 0
+    assert "faster" in (out / "summary.md").read_text()

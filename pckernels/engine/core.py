@@ -242,6 +242,13 @@ class PromptCache:
                 return own
             return ChainMap(own, dict(self.schemas))
 
+    def warm_schema(self, schema: Schema) -> int:
+        """Start background reads of the installed ``schema``'s blocks that only the remote tier holds
+        (another process of the fleet encoded them), into the host tier while it has room; returns
+        how many. The server does this after installing a schema; a library caller about to query
+        at once need not (the reads compete with the query's own)."""
+        return self.encoder.warm(schema)
+
     def block_key(self, schema: Schema, module: str, scaffold: str = "") -> BlockKey:
         """The store key of ``module``'s block in ``schema`` (jointly encoded within ``scaffold``)."""
         return self._block_keys(schema, module, scaffold)

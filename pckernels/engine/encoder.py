@@ -56,7 +56,6 @@ class ModuleEncoder:
         units += [(s.name, s.members) for s in schema.scaffolds.values()]
         todo = [u for u in units if self.block_key(schema, u[1][0], u[0]) not in self.store]
         if not todo:
-            self._warm(schema, units)
             return
         t0 = time.perf_counter()
         tokens = sum(len(schema.modules[m].token_ids) for _, members in todo for m in members)
@@ -83,12 +82,14 @@ class ModuleEncoder:
                 on_progress(done, len(todo))
         log.info("encoded %d blocks (%d tokens) of schema %r in %.2f s", len(todo), tokens, schema.name,
                  time.perf_counter() - t0)
-        self._warm(schema, units)
 
-    def _warm(self, schema: Schema, units: list[tuple[str, tuple[str, ...]]]) -> None:
+    def warm(self, schema: Schema) -> int:
         """Start loading, in the background, the blocks of ``schema`` that only the fleet's remote
-        tier holds, so first queries find them in local memory."""
-        self.store.warm(self.block_key(schema, member, scaffold) for scaffold, members in units for member in members)
+        tier holds, so later queries find them in local memory; returns how many reads started."""
+        units = [("", (name,)) for name, m in schema.modules.items() if m.cached]
+        units += [(s.name, s.members) for s in schema.scaffolds.values()]
+        return self.store.warm(self.block_key(schema, member, scaffold) for scaffold, members in units
+                               for member in members)
 
     @torch.inference_mode()
     def encode_unit(self, schema: Schema, scaffold: str, members: tuple[str, ...]) -> dict[str, torch.Tensor]:

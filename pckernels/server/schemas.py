@@ -81,6 +81,7 @@ class SchemaRegistry:
 
         try:
             self.engine.install_schema(schema, on_progress=progress)
+            self.engine.warm_schema(schema)
         except Exception as exc:
             record.status, record.error = FAILED, f"{type(exc).__name__}: {exc}"
             log.exception("encoding schema %r failed", schema.name)
