@@ -254,6 +254,20 @@ def test_streaming_yields_the_generated_text(cache, schema):
     assert "".join(cache.stream(PROMPTS["scaffold-all"], max_new_tokens=8)) == whole.text
 
 
+def test_streaming_never_emits_the_start_of_a_stop_string(cache, schema):
+    whole = cache.generate(PROMPTS["scaffold-all"], max_new_tokens=24)
+    assert len(whole.text) > 12
+    stop = whole.text[8:12]
+    final = cache.generate(PROMPTS["scaffold-all"], max_new_tokens=24, stop=stop).text
+    assert len(final) <= 8
+    pieces, sent = [], ""
+    for piece in cache.stream(PROMPTS["scaffold-all"], max_new_tokens=24, stop=stop):
+        sent += piece
+        assert final.startswith(sent), (sent, final)
+        pieces.append(piece)
+    assert sent == final
+
+
 def test_sampling_is_seeded(cache, schema):
     a = cache.generate(PROMPTS["none"], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7)
     b = cache.generate(PROMPTS["none"], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7)

@@ -26,6 +26,7 @@ from pckernels.engine.plan import (RequestPlan, plan_request, plan_request_basel
 from pckernels.engine.request import PrefixPrefill, Request, RequestHandle, SamplingParams
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.scheduler import Scheduler
+from pckernels.engine.text import TextStream
 from pckernels.errors import PMLError, PMLPromptTooLongError
 from pckernels.integration.adapters import ModelAdapter, adapter_for
 from pckernels.integration.identity import model_fingerprint, weight_files
@@ -383,25 +384,26 @@ class PromptCache:
                temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
                seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
                deadline_s: float | None = None) -> Iterator[str]:
-        """Like ``generate`` but yields the answer's text as it is produced. Closing the generator
-        early cancels the request."""
+        """Like ``generate`` but yields the answer's text as it is produced; the pieces always join
+        to the final text (a tail that may still become a ``stop`` string is held back until it is
+        known not to). Closing the generator early cancels the request."""
         handle = self.submit(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
                              top_p=top_p, stop=stop, seed=seed, recompute=recompute,
                              recompute_policy=recompute_policy, deadline_s=deadline_s)
-        return self._text_stream(handle)
+        return self._text_stream(handle, [stop] if isinstance(stop, str) else list(stop or []))
 
-    def _text_stream(self, handle: RequestHandle) -> Iterator[str]:
-        emitted, ids = "", []
+    def _text_stream(self, handle: RequestHandle, stops: list[str]) -> Iterator[str]:
+        """Deltas that always extend to the final text: the tail that could still become a stop
+        string is held back (:class:`~pckernels.engine.text.TextStream`)."""
+        text = TextStream(self.tokenizer, stops)
         try:
             for token in handle:
-                ids.append(token)
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                if len(text) > len(emitted) and not text.endswith("\ufffd"):
-                    yield text[len(emitted):]
-                    emitted = text
-            final = handle.result().text
-            if len(final) > len(emitted):
-                yield final[len(emitted):]
+                delta = text.push([token])
+                if delta:
+                    yield delta
+            rest = text.finish(handle.result().text)
+            if rest:
+                yield rest
         finally:
             handle.cancel()
 
