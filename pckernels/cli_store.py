@@ -62,9 +62,7 @@ def encode(schema: Path = typer.Argument(..., help="Schema file to encode."),
     except (OSError, ValueError) as exc:
         fail(exc)
     if remote is not None:
-        units = [(m, "") for m, mod in parsed.modules.items() if mod.cached]
-        units += [(m, sc.name) for sc in parsed.scaffolds.values() for m in sc.members]
-        cache.store.share(cache.block_key(parsed, m, sc) for m, sc in units)
+        cache.store.share(cache.encoder.block_keys(parsed))
         cache.store.flush()
     seconds = time.perf_counter() - t0
     stats = cache.stats()

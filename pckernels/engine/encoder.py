@@ -32,6 +32,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def units(schema: Schema) -> list[tuple[str, tuple[str, ...]]]:
+    """The encoding units of ``schema``: ``("", (module,))`` per cached module, then
+    ``(scaffold, members)`` per scaffold (its members are encoded together)."""
+    out: list[tuple[str, tuple[str, ...]]] = [("", (name,)) for name, m in schema.modules.items() if m.cached]
+    return out + [(s.name, s.members) for s in schema.scaffolds.values()]
+
+
 class ModuleEncoder:
     """Encodes the modules of schemas into ``store`` under the keys ``block_key`` makes."""
 
@@ -52,9 +59,7 @@ class ModuleEncoder:
                       on_progress: Callable[[int, int], None] | None = None) -> None:
         """Encode every cached module and scaffold of ``schema`` that no tier holds yet;
         ``on_progress(done, total)`` is called before the first unit and after each one."""
-        units: list[tuple[str, tuple[str, ...]]] = [("", (name,)) for name, m in schema.modules.items() if m.cached]
-        units += [(s.name, s.members) for s in schema.scaffolds.values()]
-        todo = [u for u in units if self.block_key(schema, u[1][0], u[0]) not in self.store]
+        todo = [u for u in units(schema) if self.block_key(schema, u[1][0], u[0]) not in self.store]
         if not todo:
             return
         t0 = time.perf_counter()
@@ -86,10 +91,11 @@ class ModuleEncoder:
     def warm(self, schema: Schema) -> int:
         """Start loading, in the background, the blocks of ``schema`` that only the fleet's remote
         tier holds, so later queries find them in local memory; returns how many reads started."""
-        units = [("", (name,)) for name, m in schema.modules.items() if m.cached]
-        units += [(s.name, s.members) for s in schema.scaffolds.values()]
-        return self.store.warm(self.block_key(schema, member, scaffold) for scaffold, members in units
-                               for member in members)
+        return self.store.warm(self.block_keys(schema))
+
+    def block_keys(self, schema: Schema) -> list[BlockKey]:
+        """The store keys of every block of ``schema`` (each cached module, each scaffold member)."""
+        return [self.block_key(schema, member, scaffold) for scaffold, members in units(schema) for member in members]
 
     @torch.inference_mode()
     def encode_unit(self, schema: Schema, scaffold: str, members: tuple[str, ...]) -> dict[str, torch.Tensor]:

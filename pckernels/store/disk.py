@@ -147,6 +147,12 @@ def _check_expected(stored_shape: list[int], stored_dtype: torch.dtype, shape: t
         raise BlockFileError(f"wrong shape (holds {list(stored_shape)}, expected [{want}])")
 
 
+def count_reason(reasons: dict[str, int], reason: str) -> None:
+    """Count ``reason`` under its kind, the text before any `` (`` detail (``"truncated (12 bytes…)"``)."""
+    kind = reason.split(" (")[0]
+    reasons[kind] = reasons.get(kind, 0) + 1
+
+
 @dataclass
 class DiskStats:
     hits: int = 0
@@ -299,8 +305,7 @@ class DiskTier:
         log.warning("discarding block file %s for %s: %s; it will be re-encoded",
                     self.path(key.digest), key.label or key.digest[:16], reason)
         self.stats.discarded += 1
-        kind = reason.split(" (")[0]
-        self.stats.reasons[kind] = self.stats.reasons.get(kind, 0) + 1
+        count_reason(self.stats.reasons, reason)
         self._forget(key.digest)
         _unlink(self.path(key.digest))
 

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 import torch
 
-from pckernels.store.disk import _DTYPES, BlockFileError, _check_expected, tensor_bytes
+from pckernels.store.disk import _DTYPES, BlockFileError, _check_expected, count_reason, tensor_bytes
 from pckernels.store.keys import FORMAT_VERSION, BlockKey
 
 log = logging.getLogger(__name__)
@@ -377,8 +377,7 @@ class RemoteTier:
                     key.digest[:16], reason)
         with self._lock:
             self.stats.discarded += 1
-            kind = reason.split(" (")[0]
-            self.stats.reasons[kind] = self.stats.reasons.get(kind, 0) + 1
+            count_reason(self.stats.reasons, reason)
         try:
             self._call("deleting a bad block", lambda: self.client.delete(self.meta_key(key.digest), *chunks))
         except self._redis.RedisError as exc:
