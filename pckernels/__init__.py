@@ -1,10 +1,20 @@
 """promptcache: modular attention (KV) reuse for LLM prompts.
 
 Importing the package makes ``torch.ops.promptcache.*`` callable (they register on first use).
+
+It also sets ``MKL_DISABLE_FAST_MM=1`` unless the environment says otherwise (before torch loads
+MKL, when it is imported first): MKL's own allocator keeps per-thread buffers, and a process
+forked after a thread used MKL can hang in it the first time a thread of the child multiplies
+(seen with the engine's scheduler thread and ``multiprocessing`` fork). Malloc costs nothing
+measurable for the engine's matmuls.
 """
 
-from pckernels import _torch_ops
-from pckernels.errors import PMLError, PromptTooLongError, UnsupportedModelError
+import os
+
+os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
+
+from pckernels import _torch_ops  # noqa: E402  (after the environment is set)
+from pckernels.errors import PMLError, PromptTooLongError, UnsupportedModelError  # noqa: E402
 
 _torch_ops.install()
 

@@ -46,18 +46,30 @@ def process_state(model: torch.nn.Module) -> dict:
     return state
 
 
-@pytest.mark.parametrize("family", ["llama", "falcon-alibi", "mpt", "bloom", "gemma3"])
-def test_nothing_process_wide_changes_during_a_forward(tokenizer, family, monkeypatch):  # noqa: F811
-    pc = prompt_cache(family, tokenizer)
+@pytest.mark.parametrize("family,native", [("llama", True), ("llama", False), ("falcon-alibi", True),
+                                           ("mpt", True), ("bloom", True), ("gemma3", True)])
+def test_nothing_process_wide_changes_during_a_forward(tokenizer, family, native, monkeypatch):  # noqa: F811
+    pc = prompt_cache(family, tokenizer, native)
     monkeypatch.setattr(pc.adapter, "query_chunk", 5)
     before = process_state(pc.model)
     during = []
-    layer = next(m for m in pc.model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block")))
-    hook = layer.register_forward_pre_hook(lambda *args: during.append(process_state(pc.model)))
-    try:
+    if pc.adapter.native is not None:
+        layer = pc.adapter.native.layers[0]
+        original = layer.o
+
+        def spy(x):
+            during.append(process_state(pc.model))
+            return original(x)
+
+        monkeypatch.setattr(layer, "o", spy)
         result = pc.generate(long_prompt(), max_new_tokens=2)
-    finally:
-        hook.remove()
+    else:
+        layer = next(m for m in pc.model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block")))
+        hook = layer.register_forward_pre_hook(lambda *args: during.append(process_state(pc.model)))
+        try:
+            result = pc.generate(long_prompt(), max_new_tokens=2)
+        finally:
+            hook.remove()
     assert result.computed_tokens > 5
     assert during
     for seen in during:

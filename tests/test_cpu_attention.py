@@ -53,7 +53,7 @@ def long_prompt() -> str:
 
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES])
 def test_chunked_masked_forward_matches_one_call(tokenizer, family, monkeypatch):  # noqa: F811
-    pc = prompt_cache(family, tokenizer)
+    pc = prompt_cache(family, tokenizer, native=False)
     prompt = long_prompt()
     whole = {}
     with monkeypatch.context() as patch:
@@ -71,7 +71,7 @@ def test_chunked_masked_forward_matches_one_call(tokenizer, family, monkeypatch)
 def test_chunked_path_is_taken_and_cuts_keys(tokenizer, monkeypatch):  # noqa: F811
     """On an SDPA model the long forward is split into runs of at most ``query_chunk`` queries,
     the earlier runs over fewer keys than the whole forward."""
-    pc = prompt_cache("llama", tokenizer)
+    pc = prompt_cache("llama", tokenizer, native=False)
     assert pc.model.config._attn_implementation == adapters.ATTENTION
     shapes = []
     original = torch.nn.functional.scaled_dot_product_attention

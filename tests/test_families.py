@@ -8,6 +8,9 @@ windows, ALiBi slopes and mask conventions match HF's); positions, not row order
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -26,7 +29,22 @@ ORACLE_PROMPTS = ("nested-some", "everything")
 """Both leave position gaps (an unimported nested module; a union member without its sibling) and
 fill parameter slots with arguments shorter than the slot (dead slot rows)."""
 
-_caches: dict[str, PromptCache] = {}
+_caches: dict[tuple[str, bool], PromptCache] = {}
+
+
+@contextlib.contextmanager
+def hf_forward():
+    """Engines built inside run HF's modules even where the native forward applies
+    (``PROMPTCACHE_NATIVE=0``), so both paths stay tested."""
+    saved = os.environ.get("PROMPTCACHE_NATIVE")
+    os.environ["PROMPTCACHE_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PROMPTCACHE_NATIVE"]
+        else:
+            os.environ["PROMPTCACHE_NATIVE"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +54,15 @@ def tokenizer():
     return load_tokenizer()
 
 
-def prompt_cache(name: str, tokenizer) -> PromptCache:
-    """One PromptCache with the engine tests' schema per family, built on first use."""
-    if name not in _caches:
-        pc = PromptCache(BY_NAME[name].build(len(tokenizer)), tokenizer)
+def prompt_cache(name: str, tokenizer, native: bool = True) -> PromptCache:
+    """One PromptCache with the engine tests' schema per family (and forward: the native one where
+    it applies, or HF's modules), built on first use."""
+    if (name, native) not in _caches:
+        with contextlib.nullcontext() if native else hf_forward():
+            pc = PromptCache(BY_NAME[name].build(len(tokenizer)), tokenizer)
         pc.add_schema(SCHEMA)
-        _caches[name] = pc
-    return _caches[name]
+        _caches[name, native] = pc
+    return _caches[name, native]
 
 
 def causal_spec(positions: torch.Tensor, dtype=torch.float32) -> AttentionSpec:

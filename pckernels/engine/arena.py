@@ -55,6 +55,17 @@ class RowAllocator:
                 self._free[0] = (start + take, stop)
         return rows
 
+    def allocate_run(self, n: int) -> list[int] | None:
+        """``n`` consecutive free rows (the lowest run that fits), or None (nothing taken then)."""
+        for index, (start, stop) in enumerate(self._free):
+            if stop - start >= n:
+                if start + n == stop:
+                    self._free.pop(index)
+                else:
+                    self._free[index] = (start + n, stop)
+                return list(range(start, start + n))
+        return None
+
     def release(self, rows: list[int]) -> None:
         """Give ``rows`` back (each must be allocated)."""
         for start, stop in _ranges(sorted(rows)):
@@ -158,6 +169,21 @@ class KVArena:
             rows = self.allocator.allocate(n)
         if rows is None:
             raise MemoryError(f"KV arena: {n} rows requested, {self.allocator.free_rows} free of {self.max_rows}")
+        return rows
+
+    def allocate_run(self, n: int) -> list[int] | None:
+        """``n`` consecutive rows: a free run, else one made by dropping idle blocks (least recently
+        used first) or growing; None when the budget leaves no such run (the caller takes pieces)."""
+        if n == 0:
+            return []
+        rows = self.allocator.allocate_run(n)
+        while rows is None and self._evict_one_idle():
+            rows = self.allocator.allocate_run(n)
+        if rows is None:
+            tail = self.allocator._free[-1] if self.allocator._free else None
+            at_end = tail[1] - tail[0] if tail is not None and tail[1] == self.capacity else 0
+            self._grow(self.capacity + n - at_end)
+            rows = self.allocator.allocate_run(n)
         return rows
 
     def release(self, rows: list[int]) -> None:

@@ -27,6 +27,8 @@ from pckernels.engine.request import PrefixPrefill, Request, RequestHandle, Samp
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.scheduler import Scheduler
 from pckernels.engine.text import TextStream
+from pckernels.engine.threads import in_fresh_thread
+from pckernels.integration.native import MATMULS
 from pckernels.errors import PMLError, PMLPromptTooLongError
 from pckernels.integration.adapters import ModelAdapter, adapter_for
 from pckernels.integration.identity import model_fingerprint, weight_files
@@ -89,6 +91,12 @@ class PromptCache:
     encodes, and full prefix-cache blocks, are uploaded in the background and read by the others
     on a local miss (``docs/store.md``).
 
+    ``matmul``: ``"fp32"`` (default: the model's own precision) or ``"bf16"``: on CPUs with
+    AVX512-BF16/AMX, projections and the LM head run as bf16 oneDNN matmuls over packed weights
+    (faster decode and short forwards, at a fidelity cost measured in ``docs/perf.md``; blocks are
+    keyed apart from fp32 ones). Needs the native forward (:mod:`pckernels.integration.native`);
+    a ``ValueError`` otherwise.
+
     ``model_id`` names the weights in cache keys; by default every tensor is hashed
     (:func:`pckernels.integration.identity.model_fingerprint`), ``from_pretrained`` hashes the
     weight files once instead.
@@ -100,22 +108,28 @@ class PromptCache:
                  host_budget: int | str | None = None, disk_budget: int | str | None = None,
                  model_id: str | None = None, kv_budget: int | str | None = None, max_queue: int = 256,
                  max_batch: int = 64, step_tokens: int = 2048, remote: RemoteTier | str | None = None,
-                 remote_namespace: str = DEFAULT_NAMESPACE) -> None:
+                 remote_namespace: str = DEFAULT_NAMESPACE, matmul: str = "fp32") -> None:
         budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
         if remote is not None and not isinstance(remote, RemoteTier):
             remote = RemoteTier(remote, namespace=remote_namespace)
         kv_bytes = None if kv_budget is None else parse_size(kv_budget, "kv_budget")
+        if matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, got {matmul!r}")
         self.device = resolve_device(device) if device is not None else next(model.parameters()).device
         self.dtype = resolve_dtype(dtype) or next(model.parameters()).dtype
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
-        self.adapter: ModelAdapter = adapter_for(self.model)
-        self.layout = self.adapter.kv_layout()
+
+        def setup():
+            prepared = model.to(device=self.device, dtype=self.dtype).eval()
+            adapter = adapter_for(prepared, matmul=matmul)
+            return prepared, adapter, adapter.kv_layout(), model_id or model_fingerprint(prepared, self.dtype)
+
+        self.model, self.adapter, self.layout, self.model_id = in_fresh_thread(setup)
         self.max_positions = self.adapter.max_positions()
-        self.model_id = model_id or model_fingerprint(self.model, self.dtype)
+        self.matmul = matmul
         self.store = TieredStore(self.device, disk_dir=store_dir, remote=remote, **budgets)
-        self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.device.type, self.name,
+        self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.numerics, self.name,
                                      layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
                                      dtype=self.dtype)
         self.schemas: dict[str, Schema] = {}
@@ -125,7 +139,8 @@ class PromptCache:
         self.model_lock = threading.RLock()
         """Held by whoever runs the model: the scheduler's steps, encoding, deviation scoring."""
         self.encoder = ModuleEncoder(self.adapter, self.store, self.layout, dtype=self.dtype, device=self.device,
-                                     block_key=self.block_key, lock=self.model_lock)
+                                     block_key=self.block_key, lock=self.model_lock,
+                                     run=lambda fn: self.scheduler.call(fn))
         self._install_lock = threading.Lock()
         self._program_lock = threading.Lock()
         self.deviation = DeviationScores(self)
@@ -151,7 +166,7 @@ class PromptCache:
         ``store_dir``: the disk tier's directory; ``None`` (or ``True``) is ``default_store_dir()``
         (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class;
         ``remote`` / ``remote_namespace``: the shared Redis/Valkey tier, as in the class;
-        ``engine``: the class's scheduler options (``kv_budget``, ``max_queue``, ...).
+        ``engine``: the class's other options (``kv_budget``, ``max_queue``, ``matmul``, ...).
 
         Bad options are refused before the model is loaded: a budget, an unknown or unavailable
         device or an unknown dtype with a ``ValueError``, a missing local model directory with a
@@ -166,25 +181,40 @@ class PromptCache:
         device, dtype = check_load_options(name_or_path, device, dtype)
         dev = device if device is not None else default_device()
         dt = dtype or default_dtype(dev)
-        if name_or_path == "smollm2":
-            from pckernels.integration import embedded
+        matmul = engine.get("matmul", "fp32")
+        if matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, got {matmul!r}")
 
-            tokenizer = embedded.load_tokenizer()
-            model = embedded.load_model(dtype=dt)
-            name = "SmolLM2-135M-Instruct"
-            files = weight_files(embedded.converted_dir())
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dt)
-            name = str(name_or_path)
-            files = _local_weight_files(str(name_or_path))
-        adapter_for(model, attach=False)
-        model_id = model_fingerprint(model, dt, files) if files else None
+        def load():
+            if name_or_path == "smollm2":
+                from pckernels.integration import embedded
+
+                tokenizer = embedded.load_tokenizer()
+                model = embedded.load_model(dtype=dt)
+                name = "SmolLM2-135M-Instruct"
+                files = weight_files(embedded.converted_dir())
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+                model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dt)
+                name = str(name_or_path)
+                files = _local_weight_files(str(name_or_path))
+            adapter_for(model, attach=False)
+            return tokenizer, model, name, model_fingerprint(model, dt, files) if files else None
+
+        tokenizer, model, name, model_id = in_fresh_thread(load)
         if store_dir is None or store_dir is True:
             store_dir = default_store_dir()
         return cls(model, tokenizer, device=dev, dtype=dt, name=name, store_dir=store_dir or None,
                    device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget,
                    model_id=model_id, remote=remote, remote_namespace=remote_namespace, **engine)
+
+    @property
+    def numerics(self) -> str:
+        """What decides a block's bits besides model, tokenizer and positions: the device kind and,
+        on CPU, which forward computes it (``"cpu"``: HF's modules, ``"cpu/native-fp32"`` or
+        ``"cpu/native-bf16"``: :mod:`pckernels.integration.native`). Part of every block key."""
+        native = self.adapter.native
+        return self.device.type if native is None else f"{self.device.type}/native-{native.matmul}"
 
     # -- schemas ----------------------------------------------------------------------------------
 
@@ -282,15 +312,17 @@ class PromptCache:
 
     @property
     def prefix(self):
-        """The exact prefix cache over this model (:class:`pckernels.prefix.PrefixCache`), made on first use;
-        full blocks it evicts spill into this engine's block store (``docs/prefix.md``)."""
+        """The exact prefix cache plain prompts are answered with, made on first use: a
+        :class:`~pckernels.engine.prefix_rows.EnginePrefixCache` (the engine's forward, prompts read
+        straight into arena rows); full blocks it evicts spill into this engine's block store
+        (``docs/prefix.md``)."""
         with self._prefix_lock:
             if self._prefix is None:
-                from pckernels.prefix import PrefixCache
+                from pckernels.engine.prefix_rows import EnginePrefixCache
 
-                with self.model_lock:
-                    self._prefix = PrefixCache(self.model, self.tokenizer, spill=self.store,
-                                               spill_model_id=self.model_id)
+                self._prefix = self.scheduler.call(lambda: EnginePrefixCache(
+                    self.adapter, self.tokenizer, layout=self.layout, dtype=self.dtype, numerics=self.numerics,
+                    spill=self.store, spill_model_id=self.model_id))
             return self._prefix
 
     # -- requests ---------------------------------------------------------------------------------
@@ -351,8 +383,7 @@ class PromptCache:
                        deadline=_deadline(deadline_s), submitted=submitted)
 
     def _deviation(self, resolved: ResolvedPrompt):
-        with self.model_lock:
-            return self.deviation.for_schema(resolved.schema)
+        return self.scheduler.call(lambda: self.deviation.for_schema(resolved.schema))
 
     def submit(self, request: Request | str | ResolvedPrompt, **options) -> RequestHandle:
         """Queue a request (a :class:`Request`, or a PML prompt with :meth:`request`'s options) and

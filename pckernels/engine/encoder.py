@@ -44,9 +44,11 @@ class ModuleEncoder:
 
     def __init__(self, adapter: ModelAdapter, store: TieredStore, layout: KVLayout, *, dtype: torch.dtype,
                  device: torch.device, block_key: Callable[[Schema, str, str], BlockKey],
-                 lock: threading.RLock | None = None) -> None:
+                 lock: threading.RLock | None = None, run: Callable[[Callable], object] | None = None) -> None:
         self.adapter = adapter
         self.lock = lock if lock is not None else threading.RLock()
+        self.run = run if run is not None else self._run_locked
+        """``run(fn)``: where encoding work runs (the engine's model thread; by default here, under ``lock``)."""
         self.store = store
         self.device = device
         self.block_key = block_key
@@ -76,10 +78,8 @@ class ModuleEncoder:
             if self.store.claim(key) or not self.store.wait_for(key):
                 encoded = False
                 try:
-                    with self.lock:
-                        if key not in self.store:
-                            self.encode_unit(schema, scaffold, members)
-                            encoded = True
+                    encoded = self.run(lambda: key not in self.store and self.encode_unit(schema, scaffold, members)
+                                       is not None)
                 finally:
                     if not encoded:
                         self.store.release(key)
@@ -87,6 +87,10 @@ class ModuleEncoder:
                 on_progress(done, len(todo))
         log.info("encoded %d blocks (%d tokens) of schema %r in %.2f s", len(todo), tokens, schema.name,
                  time.perf_counter() - t0)
+
+    def _run_locked(self, fn):
+        with self.lock:
+            return fn()
 
     def warm(self, schema: Schema) -> int:
         """Start loading, in the background, the blocks of ``schema`` that only the fleet's remote

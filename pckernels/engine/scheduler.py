@@ -88,6 +88,24 @@ class _Active:
         return self.prefilled < len(self.new_tokens)
 
 
+class _Call:
+    """A function to run on the scheduler thread, and what it gave."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.result = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # handed to the caller
+            self.error = exc
+        finally:
+            self.done.set()
+
+
 @dataclass
 class _Item:
     """One request's share of a step: ``count`` tokens from ``offset`` in the packed input."""
@@ -125,6 +143,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._running: list[_Active] = []
+        self._calls: collections.deque[_Call] = collections.deque()
         self._thread: threading.Thread | None = None
         self._closed = False
         self.counters = collections.Counter()
@@ -154,11 +173,37 @@ class Scheduler:
                                       "retry later")
             self._waiting.append(handle)
             self.counters["submitted"] += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="promptcache-scheduler", daemon=True)
-                self._thread.start()
+            self._ensure_thread()
             self._cv.notify()
         return handle
+
+    def call(self, fn):
+        """Run ``fn()`` on the scheduler thread, under the model lock, between two steps, and return
+        its result (or raise its exception). Model work from other threads (encoding, scoring) goes
+        through here so that one thread runs every parallel op (:mod:`pckernels.engine.threads`).
+        Runs ``fn`` directly when called from the scheduler thread itself, or by a thread that holds
+        the model lock (the scheduler could not take it)."""
+        lock = self.engine.model_lock
+        if threading.current_thread() is self._thread or lock._is_owned():
+            with lock:
+                return fn()
+        job = _Call(fn)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._calls.append(job)
+            self._ensure_thread()
+            self._cv.notify()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _ensure_thread(self) -> None:
+        """Start the scheduler thread if it is not running (called with the condition held)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="promptcache-scheduler", daemon=True)
+            self._thread.start()
 
     def close(self) -> None:
         """Fail waiting and running requests and stop the thread."""
@@ -202,6 +247,10 @@ class Scheduler:
                     profiler.enable()
                 try:
                     with self.engine.model_lock:
+                        with self._cv:
+                            job = self._calls.popleft() if self._calls else None
+                        if job is not None:
+                            job.run()
                         self._sweep()
                         self._admit()
                         if self._running:
@@ -219,7 +268,7 @@ class Scheduler:
                 self._fail_all(RuntimeError("the engine was closed"))
                 self._thread = None
                 return False
-            if self._running or any(h.cancel_requested for h in self._waiting):
+            if self._running or self._calls or any(h.cancel_requested for h in self._waiting):
                 return True
             if self._waiting and self._admissible():
                 return True
@@ -236,6 +285,10 @@ class Scheduler:
             self._cv.wait(timeout)
 
     def _fail_all(self, error: BaseException) -> None:
+        for job in self._calls:
+            job.error = error
+            job.done.set()
+        self._calls.clear()
         for handle in self._waiting:
             handle._fail(error)
         self._waiting.clear()
@@ -379,26 +432,37 @@ class Scheduler:
         return block
 
     def _start_prefix(self, handle: RequestHandle, generator, stopper) -> _Active | None:
-        """Prefill a plain prompt exactly through the prefix cache (alone), then move its keys and
-        values into own rows so its decoding joins the batch; its first token is chosen here."""
+        """Prefill a plain prompt exactly through the engine's prefix cache (alone), straight into a
+        contiguous run of its own rows (``pckernels.engine.prefix_rows``), so its decoding joins the
+        batch with nothing moved; its first token is chosen here."""
         request = handle.request
         ids = request.prefix.token_ids
         n = len(ids)
-        prefill = self.engine.prefix.prefill(ids, reuse=request.prefix.reuse, salt=request.prefix.salt)
-        active = _Active(handle, self.arena.allocate(self._own_rows(request)), list(ids), list(range(n)), None,
+        device = self.engine.device
+        run = self.arena.allocate_run(n)
+        rest = self.arena.allocate(self._own_rows(request) - n) if run is not None else None
+        own = (run + rest) if run is not None else self.arena.allocate(self._own_rows(request))
+        try:
+            target = self.arena.data[:, :, :, run[0]:run[0] + n] if run else None
+            prefill = self.engine.prefix.prefill(ids, reuse=request.prefix.reuse, salt=request.prefix.salt,
+                                                 rows=target)
+        except BaseException:
+            self.arena.release(own)
+            raise
+        active = _Active(handle, own, list(ids), list(range(n)), None,
                          generator=generator, stopper=stopper, cached_tokens=prefill.cached_tokens,
                          computed_tokens=n - prefill.cached_tokens, mode=prefill.mode)
-        rows = torch.tensor(active.rows[:n], dtype=torch.long, device=self.engine.device)
-        data = self.arena.data
-        for index, layer in enumerate(prefill.cache.layers):
-            held = layer.keys.shape[2]
-            ops.scatter_rows(data[index, 0].unsqueeze(0), data[index, 1].unsqueeze(0), layer.keys, layer.values,
-                             rows[n - held:])
-        self.arena.row_pos[rows] = torch.arange(n, device=self.engine.device)
-        active.max_row = max(active.rows[:n])
+        rows = torch.tensor(active.rows[:n], dtype=torch.long, device=device)
+        if run is None and n:
+            self.counters["prefix_rows_moved"] += 1
+            data = self.arena.data
+            source = prefill.cache.buffer.data
+            data.index_copy_(3, rows, source[:, :, :, :n])
+        self.arena.row_pos[rows] = torch.arange(n, device=device)
+        active.max_row = max(active.rows[:n]) if n else -1
         active.prefilled = n
         active.own_visible = rows
-        active.block_rows = torch.zeros(0, dtype=torch.long, device=self.engine.device)
+        active.block_rows = torch.zeros(0, dtype=torch.long, device=device)
         active.next_pos = n
         self._choose(active, prefill.logits, first=True)
         return None if active.handle.done else active

@@ -18,6 +18,7 @@ import functools
 import importlib
 import inspect
 import logging
+import os
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -291,7 +292,7 @@ class ModelAdapter:
 
     families: tuple[str, ...] = ()
 
-    def __init__(self, model: torch.nn.Module, *, attach: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, *, attach: bool = True, matmul: str = "fp32") -> None:
         self.model = model
         self.config = model.config
         self.text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
@@ -306,6 +307,10 @@ class ModelAdapter:
         self.grouped_kv = True
         """Hand grouped KV heads to SDPA on CPU instead of expanding them."""
         self.owns_attention = False
+        self.native = None
+        """The :class:`~pckernels.integration.native.NativeDecoder` running forwards over promptcache's
+        KV buffers, when the model is one it recognises (on CPU); None: HF's modules run them."""
+        self.matmul = matmul
         if attach:
             self.attach()
 
@@ -314,11 +319,29 @@ class ModelAdapter:
         attention (:func:`select_attention`); families add their position hooks. An adapter made
         with ``attach=False`` only answers questions about the model (limits, windows). A model
         on CPU also gets :func:`~pckernels.integration.linear.apply_fast_linear` (oneDNN GEMMs in
-        fp32; ``PROMPTCACHE_KERNEL_BACKEND=torch`` keeps ``F.linear``)."""
+        fp32; ``PROMPTCACHE_KERNEL_BACKEND=torch`` keeps ``F.linear``) and, when its architecture
+        is recognised, the native forward (``PROMPTCACHE_NATIVE=0`` turns it off); ``matmul="bf16"``
+        needs the native forward and raises ``ValueError`` without it."""
         self.owns_attention = select_attention(self.model)
         weight = next(self.model.parameters(), None)
-        if weight is not None and weight.device.type == "cpu":
+        on_cpu = weight is not None and weight.device.type == "cpu"
+        if on_cpu:
             apply_fast_linear(self.model)
+        if self.matmul != "fp32" and not on_cpu:
+            raise ValueError(f"matmul={self.matmul!r} is a CPU option (oneDNN); this model is on "
+                             f"{weight.device if weight is not None else 'no device'}")
+        if on_cpu and (os.environ.get("PROMPTCACHE_NATIVE", "1") != "0" or self.matmul != "fp32"):
+            from pckernels.integration.native import NativeDecoder
+
+            self.native = NativeDecoder.build(self.model, self.layer_windows(), self.matmul)
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: global attention)."""
+        layers = getattr(self.text_config, "num_hidden_layers", 0)
+        if isinstance(self.windows, dict):
+            types = self.text_config.layer_types
+            return [self.windows[types[i]] for i in range(layers)]
+        return [self.windows] * layers
 
     def _layer_windows(self) -> dict[str, int | None] | int | None:
         """Sliding windows: ``{layer_type: window or None}`` when the model has sliding layer types
@@ -368,6 +391,10 @@ class ModelAdapter:
         ``cache`` (``attention`` given) or a plain HF cache with causal attention (``None``).
         Returns logits ``[q, vocab]``: ``[1, vocab]`` for the last token when ``last_logits_only``,
         ``[k, vocab]`` for the token indices ``keep [k]`` when given (a packed batch)."""
+        if self.native is not None and attention is not None and getattr(cache, "buffer", None) is not None:
+            if keep is None and last_logits_only:
+                keep = torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
+            return self.native.forward(input_ids[0], position_ids[0], attention, cache, keep)
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if keep is not None:
             if self._takes_logits_to_keep:
@@ -420,9 +447,10 @@ def supported_families() -> tuple[str, ...]:
     return tuple(sorted(_ADAPTERS))
 
 
-def adapter_for(model: torch.nn.Module, *, attach: bool = True) -> ModelAdapter:
+def adapter_for(model: torch.nn.Module, *, attach: bool = True, matmul: str = "fp32") -> ModelAdapter:
     """The adapter for ``model``'s family, or ``UnsupportedModelError`` naming the supported ones.
-    ``attach=False``: leave the model untouched (see :meth:`ModelAdapter.attach`)."""
+    ``attach=False``: leave the model untouched (see :meth:`ModelAdapter.attach`); ``matmul``: see
+    :class:`~pckernels.integration.native.NativeDecoder`."""
     _load_families()
     model_type = getattr(model.config, "model_type", None)
     try:
@@ -431,6 +459,6 @@ def adapter_for(model: torch.nn.Module, *, attach: bool = True) -> ModelAdapter:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported; supported families: {', '.join(supported_families())}"
         ) from None
-    adapter = factory(model, attach=attach)
+    adapter = factory(model, attach=attach, matmul=matmul)
     log.debug("model type %r driven by %s", model_type, type(adapter).__name__)
     return adapter

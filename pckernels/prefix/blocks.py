@@ -58,6 +58,19 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
+class BlockKV(list):
+    """Per-layer ``(keys [1, H, n, D], values)`` that are views of one block ``[L, 2, H, n, D]``
+    (``.block``), so it can be placed or spilled with one copy."""
+
+    block: torch.Tensor
+
+    @classmethod
+    def of(cls, block: torch.Tensor) -> "BlockKV":
+        kv = cls((block[layer, 0].unsqueeze(0), block[layer, 1].unsqueeze(0)) for layer in range(block.shape[0]))
+        kv.block = block
+        return kv
+
+
 @dataclass(eq=False)
 class CachedEntry:
     """One stored block (or prompt end) and the model states it produced.

@@ -115,11 +115,11 @@ class PrefixCache:
         self.chunk_size = chunk_size
         self.device = next(model.parameters()).device
         self.max_positions = _max_positions(model)
-        self._states = CacheStates(model)
+        self._states = self._make_states()
         self.spill: BlockSpill | None = None
         self._store = BlockStore(budget_bytes, on_evict=self._spill_evicted)
         self._lock = threading.Lock()
-        self._root = f"promptcache-prefix/{block_size}/{chunk_size}".encode()
+        self._root = f"promptcache-prefix/{block_size}/{chunk_size}{self._root_tag()}".encode()
         self._counters = {"queries": 0, "hits": 0, "full_hits": 0, "hit_tokens": 0, "computed_tokens": 0}
         self.refusal = self._self_check()
         if self.refusal is not None:
@@ -128,6 +128,19 @@ class PrefixCache:
                 raise UnsupportedModelError(message)
             log.warning("%s; prompts will be computed in full", message)
         self.spill = self._make_spill(spill, spill_model_id)
+
+    def _make_states(self):
+        """How working caches are made and states copied (subclasses keep them elsewhere)."""
+        return CacheStates(self.model)
+
+    def _root_tag(self) -> str:
+        """Appended to the root of every block chain: computations that give different bits
+        (another forward, another cache layout) must never share a block."""
+        return ""
+
+    def _spill_numerics(self) -> str:
+        """The device kind, or what else decides a block's bits, in spilled blocks' store keys."""
+        return self.device.type
 
     def _make_spill(self, store: TieredStore | None, model_id: str | None) -> BlockSpill | None:
         """The spill target for ``store``, or ``None`` when there is none or this model cannot use one."""
@@ -142,7 +155,7 @@ class PrefixCache:
             model_id = model_fingerprint(self.model, dtype)
         name = getattr(self.model.config, "_name_or_path", "") or self.model.config.model_type
         return BlockSpill(store, model_id=model_id, device=self.device, kv_dtype=dtype,
-                          num_layers=len(self._states.kinds), model_name=name)
+                          num_layers=len(self._states.kinds), model_name=name, numerics=self._spill_numerics())
 
     def _spill_evicted(self, entry: CachedEntry) -> None:
         """Eviction hook: write a full block to the spill store (prompt ends are dropped)."""

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from pckernels.prefix.blocks import CachedEntry
+from pckernels.prefix.blocks import BlockKV, CachedEntry
 from pckernels.store import FORMAT_VERSION, BlockKey, TieredStore
 
 log = logging.getLogger(__name__)
@@ -40,20 +40,21 @@ class BlockSpill:
 
     ``model_id``: identity of config, weights and dtype (``model_fingerprint``); ``device``: where
     restored keys/values go, in ``kv_dtype``; ``num_layers``: cache layers (all keys/values);
-    ``model_name``: a label for listings. Counters: ``spilled_blocks`` (blocks written),
+    ``model_name``: a label for listings; ``numerics``: what decides the blocks' bits in their
+    keys (default: the device kind). Counters: ``spilled_blocks`` (blocks written),
     ``restored_blocks`` / ``restored_tokens`` (blocks and tokens read back). Not thread-safe; the
     owner serialises calls.
     """
 
     def __init__(self, store: TieredStore, *, model_id: str, device: torch.device, kv_dtype: torch.dtype,
-                 num_layers: int, model_name: str = "") -> None:
+                 num_layers: int, model_name: str = "", numerics: str | None = None) -> None:
         self.store = store
         self.device = device
         self.kv_dtype = kv_dtype
         self.num_layers = num_layers
         self.model_name = model_name
         self._prefix = json.dumps({"format": SPILL_FORMAT, "store_format": FORMAT_VERSION, "model": model_id,
-                                   "device": device.type}, sort_keys=True).encode()
+                                   "device": numerics or device.type}, sort_keys=True).encode()
         self.spilled_blocks = 0
         self.restored_blocks = 0
         self.restored_tokens = 0
@@ -109,7 +110,7 @@ class BlockSpill:
                         key.digest[:16], tuple(block.shape), self.num_layers, num_tokens)
             return None
         block = block.to(device=self.device, dtype=self.kv_dtype)
-        kv = [(block[layer, 0].unsqueeze(0), block[layer, 1].unsqueeze(0)) for layer in range(self.num_layers)]
+        kv = BlockKV.of(block)
         self.restored_blocks += 1
         self.restored_tokens += num_tokens
         return CachedEntry(key=chain_key, parent=parent, start=start, num_tokens=num_tokens, kv=kv)
@@ -123,6 +124,8 @@ def _uniform(entry: CachedEntry) -> bool:
 
 def _pack(kv: list, device: torch.device) -> torch.Tensor:
     """Per-layer ``(keys, values)`` of shape ``[1, H, n, D]`` as one block ``[L, 2, H, n, D]`` on ``device``."""
+    if isinstance(kv, BlockKV) and kv.block.device == device:
+        return kv.block.clone()
     first_keys = kv[0][0]
     _, heads, num_tokens, head_dim = first_keys.shape
     block = torch.empty((len(kv), 2, heads, num_tokens, head_dim), dtype=first_keys.dtype, device=device)

@@ -17,8 +17,8 @@ class _AlibiAdapter(ModelAdapter):
     builder = ""
     """Name of the base model's method that returns its ALiBi tensor."""
 
-    def __init__(self, model: torch.nn.Module, *, attach: bool = True) -> None:
-        super().__init__(model, attach=False)
+    def __init__(self, model: torch.nn.Module, *, attach: bool = True, matmul: str = "fp32") -> None:
+        super().__init__(model, attach=False, matmul=matmul)
         self._slopes = self.model_slopes()
         if attach:
             self.attach()

@@ -1,0 +1,366 @@
+"""promptcache's own forward for Llama-style decoders, reading and writing its KV buffer.
+
+Driving HF's modules costs a decode step on CPU about as much as its matmuls: a dozen module
+calls and some 45 small ops per layer, ``repeat_kv``-free SDPA that is slow for one query row,
+and a mask built for the whole forward. For models whose architecture it recognises
+(``model_type`` llama, mistral, qwen2, qwen3: RMSNorm, SiLU-gated MLP, RoPE with static
+frequencies, optional q/k norms and projection biases), :class:`NativeDecoder` runs the same
+math from the model's own weights in about twenty ops per layer:
+
+* fused projections: q/k/v in one matmul and gate/up in another. The HF modules' weights become
+  views into the fused tensors, so nothing is copied and the HF forward still works;
+* RoPE from the forward's positions (cos/sin once per forward, q and k rotated together);
+* keys and values written straight into the buffer rows the engine gives, attention read from
+  the buffer by KV group (no copies per query head): one batched matmul per step for the few
+  query rows of decode and short forwards, SDPA in query chunks for long prefills;
+* logits only for the rows asked for.
+
+``matmul="bf16"`` (never the default) runs every projection and the LM head as oneDNN bf16 matmuls
+over weights packed once (AMX / AVX512-BF16 where the CPU has them), activations rounded to bf16
+at each matmul's input; everything else stays in the model's dtype. It changes numerics: the
+engine keys its blocks by it and ``perf`` measures its fidelity cost.
+
+:meth:`NativeDecoder.build` returns None for anything it does not recognise, and checks itself
+against the HF forward on a few random tokens before it is used (see :func:`self_check`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pckernels.integration.adapters import AttentionSpec, _sdpa, visible_extents, windowed_bias
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+STATIC_ROPE = ("default", "linear", "yarn", "llama3")
+"""RoPE types whose frequencies do not depend on the forward's positions (``dynamic`` and
+``longrope`` recompute them per forward; those models keep HF's path)."""
+
+MATMULS = ("fp32", "bf16")
+
+SMALL_QUERY = 64
+"""Query rows up to which attention is one batched matmul per layer over the visible extent
+(decode and short forwards); longer forwards use SDPA in ``QUERY_CHUNK``-row pieces."""
+
+QUERY_CHUNK = 256
+
+SELF_CHECK_TOL = 1e-3
+"""Largest |native - HF| of fp32 logits (relative to their spread) the self-check accepts."""
+
+
+def bf16_matmul_supported() -> bool:
+    """Whether this build and CPU run oneDNN bf16 matmuls natively (AVX512-BF16 or AMX)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(check is not None and check() for check in checks)
+
+
+class _Projection:
+    """``x [n, in] -> [n, out]`` with the weight ``[out, in]`` (and bias) of one or more fused linears."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.packed = None
+        self.bias16 = None
+
+    def set_matmul(self, matmul: str) -> None:
+        """``"bf16"``: pack a bf16 copy of the weight for oneDNN; ``"fp32"``: drop it."""
+        self.packed = self.bias16 = None
+        if matmul == "bf16":
+            w16 = self.weight.detach().to(torch.bfloat16).contiguous()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w16, 1)
+            self.bias16 = None if self.bias is None else self.bias.detach().to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, self.bias16, "none", [], "")
+            return y.to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _Layer:
+    norm_in: torch.Tensor
+    qkv: _Projection
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: _Projection
+    norm_post: torch.Tensor
+    gate_up: _Projection
+    down: _Projection
+    window: int | None
+    scaling: float
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ``[sum(out), in]`` weight (and bias) for ``linears``; each module's parameters become
+    views into it, so the model computes as before with no extra memory."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    bias = None
+    if any(has_bias):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                          for m in linears])
+    start = 0
+    for m in linears:
+        stop = start + m.out_features
+        m.weight.data = weight[start:stop]
+        if m.bias is not None:
+            m.bias.data = bias[start:stop]
+        start = stop
+    return weight, bias
+
+
+def _recognised(model) -> str | None:
+    """None when ``model`` is a decoder this module can run, else why not."""
+    config = model.config
+    if getattr(config, "model_type", None) not in FAMILIES:
+        return f"model type {getattr(config, 'model_type', None)!r} is not one of {FAMILIES}"
+    inner = getattr(model, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(inner, name):
+            return f"model.model has no {name}"
+    if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+        return "lm_head is not a Linear"
+    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+        return f"hidden_act {getattr(config, 'hidden_act', None)!r}"
+    rope_type = getattr(inner.rotary_emb, "rope_type", None)
+    if rope_type not in STATIC_ROPE:
+        return f"RoPE type {rope_type!r} recomputes its frequencies per forward"
+    for layer in inner.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        needed = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        needed += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(m, torch.nn.Linear) for m in needed):
+            return "a layer's projections are not plain Linear modules"
+        if getattr(mlp.down_proj, "bias", None) is not None or mlp.gate_proj.bias is not None:
+            return "MLP biases"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if not hasattr(norm, "variance_epsilon") or norm.weight.dim() != 1:
+                return "a norm is not RMSNorm"
+        if getattr(attn, "scaling", None) is None:
+            return "attention has no scaling"
+    return None
+
+
+class NativeDecoder:
+    """The forward of a recognised decoder over a promptcache KV buffer (module docstring).
+
+    ``windows[i]``: layer i's sliding window (None: global). Use :meth:`build`.
+    """
+
+    def __init__(self, model, windows: list[int | None]) -> None:
+        self.model = model
+        self.matmul = "fp32"
+        inner = model.model
+        config = model.config
+        self.embed = inner.embed_tokens.weight
+        self.hidden = self.embed.shape[1]
+        first = inner.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.q_heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.q_heads
+        rotary = inner.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().float()
+        self.rope_scaling = float(rotary.attention_scaling)
+        self.norm = inner.norm.weight
+        self.eps = float(inner.norm.variance_epsilon)
+        self.lm_head = _Projection(model.lm_head.weight, model.lm_head.bias)
+        self.layers: list[_Layer] = []
+        for index, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+            q_norm = getattr(attn, "q_norm", None)
+            k_norm = getattr(attn, "k_norm", None)
+            self.layers.append(_Layer(
+                norm_in=layer.input_layernorm.weight, qkv=_Projection(*qkv),
+                q_norm=None if q_norm is None else q_norm.weight,
+                k_norm=None if k_norm is None else k_norm.weight,
+                o=_Projection(attn.o_proj.weight, attn.o_proj.bias),
+                norm_post=layer.post_attention_layernorm.weight,
+                gate_up=_Projection(*gate_up), down=_Projection(mlp.down_proj.weight, None),
+                window=windows[index], scaling=float(attn.scaling)))
+        self.q_size = self.q_heads * self.head_dim
+        self.kv_size = self.kv_heads * self.head_dim
+
+    def projections(self) -> list[_Projection]:
+        return [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+
+    def set_matmul(self, matmul: str) -> None:
+        """Run the projections as ``"fp32"`` (the model's dtype) or ``"bf16"`` matmuls."""
+        if matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {MATMULS}, got {matmul!r}")
+        for projection in self.projections():
+            projection.set_matmul(matmul)
+        self.matmul = matmul
+
+    @classmethod
+    def build(cls, model, windows: list[int | None], matmul: str = "fp32") -> "NativeDecoder | None":
+        """A decoder for ``model``, or None (logged) when its architecture is not recognised or
+        it fails :func:`self_check` against the HF forward. ``matmul="bf16"`` raises
+        ``ValueError`` instead of returning None: the caller asked for something only this
+        forward gives."""
+        if matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {MATMULS}, got {matmul!r}")
+        why = _recognised(model)
+        if why is None and matmul == "bf16" and not bf16_matmul_supported():
+            why = "this CPU or torch build has no native bf16 matmul"
+        if why is not None:
+            if matmul != "fp32":
+                raise ValueError(f"matmul={matmul!r} needs promptcache's native forward, which this model cannot "
+                                 f"use: {why}")
+            log.info("%s keeps HF's forward: %s", type(model).__name__, why)
+            return None
+        decoder = cls(model, windows)
+        error = self_check(decoder)
+        if error is not None:
+            if matmul != "fp32":
+                raise ValueError(f"promptcache's native forward disagrees with HF's for this model: {error}")
+            log.warning("%s keeps HF's forward: the native forward disagrees with it (%s)",
+                        type(model).__name__, error)
+            return None
+        decoder.set_matmul(matmul)
+        return decoder
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [n, 1, D]`` for ``positions [n]`` (HF's fp32 angles, cast to ``dtype``); the
+        first half of ``sin`` negated, so ``rotate_half(x) * sin == x.roll(D / 2) * sin``."""
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None]
+        half = freqs.shape[1]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(dtype)
+        sin = (emb.sin() * self.rope_scaling).to(dtype)
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cos[:, None], sin[:, None]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec, cache,
+                keep: torch.Tensor | None) -> torch.Tensor:
+        """Logits ``[k, vocab]`` of the rows ``keep [k]`` (all rows when None) for ``input_ids [n]``
+        at ``positions [n]``; keys and values go to ``cache``'s buffer (``cache.write_rows [n]``, or
+        the rows from ``cache.write_start``), attention reads rows ``0 .. cache.extent - 1`` under
+        ``spec.bias [n, extent]``."""
+        data = cache.buffer.data
+        extent = cache.extent
+        rows, start = cache.write_rows, cache.write_start
+        n = input_ids.shape[0]
+        dtype = data.dtype
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self._rope(positions, h.dtype)
+        half = self.head_dim // 2
+        biases: dict[int | None, torch.Tensor] = {}
+        extents: dict[int | None, list[int]] = {}
+        for index, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (self.hidden,), layer.norm_in, self.eps)
+            qkv = layer.qkv(x)
+            q = qkv[:, :self.q_size].view(n, self.q_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(n, self.kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q = F.rms_norm(q, (self.head_dim,), layer.q_norm, self.eps)
+                k = F.rms_norm(k, (self.head_dim,), layer.k_norm, self.eps)
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
+            keys, values = data[index, 0], data[index, 1]
+            if rows is None:
+                keys[:, start:start + n] = k.transpose(0, 1)
+                values[:, start:start + n] = v.transpose(0, 1)
+            else:
+                keys.index_copy_(1, rows, k.transpose(0, 1).to(dtype))
+                values.index_copy_(1, rows, v.transpose(0, 1).to(dtype))
+            bias = biases.get(layer.window)
+            if bias is None:
+                bias = biases[layer.window] = windowed_bias(spec, layer.window)
+            out = self._attend(q, keys[:, :extent], values[:, :extent], bias, layer.scaling, extents, layer.window)
+            h = h + layer.o(out)
+            x = F.rms_norm(h, (self.hidden,), layer.norm_post, self.eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        if keep is not None:
+            h = h.index_select(0, keep)
+        return self.lm_head(F.rms_norm(h, (self.hidden,), self.norm, self.eps))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                scaling: float, extents: dict, window) -> torch.Tensor:
+        """``q [n, Hq, D]`` over ``keys, values [Hkv, extent, D]`` (buffer views) with the additive
+        ``bias [n, extent]`` -> ``[n, Hq * D]``."""
+        n = q.shape[0]
+        groups = self.q_heads // self.kv_heads
+        if n <= SMALL_QUERY:
+            qg = q.view(n, self.kv_heads, groups, self.head_dim).permute(1, 2, 0, 3).reshape(
+                self.kv_heads, groups * n, self.head_dim)
+            scores = torch.baddbmm(_group_bias(bias, groups, q.dtype), qg, keys.transpose(1, 2), alpha=scaling)
+            probs = torch.softmax(scores, dim=-1)
+            out = torch.bmm(probs.to(values.dtype), values)
+            return out.view(self.kv_heads, groups, n, self.head_dim).permute(2, 0, 1, 3).reshape(n, self.q_size)
+        query = q.transpose(0, 1)[None]
+        key, value = keys[None], values[None]
+        mask = bias[None, None]
+        if window not in extents:
+            extents[window] = visible_extents(mask, QUERY_CHUNK)
+        pieces = []
+        for index, stop in enumerate(extents[window]):
+            first, last = index * QUERY_CHUNK, min(index * QUERY_CHUNK + QUERY_CHUNK, n)
+            pieces.append(_sdpa(query[:, :, first:last], key[:, :, :stop], value[:, :, :stop],
+                                mask[:, :, first:last, :stop], scaling, True))
+        return torch.cat(pieces, dim=1)[0].reshape(n, self.q_size)
+
+
+def _group_bias(bias: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """``bias [n, kv]`` as ``[1, groups * n, kv]`` (query rows ordered group-major, as the scores)."""
+    n, kv = bias.shape
+    return bias.to(dtype)[None].expand(groups, n, kv).reshape(1, groups * n, kv)
+
+
+class _ProbeBuffer:
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+
+class _ProbeCache:
+    """The minimal cache :meth:`NativeDecoder.forward` reads: a buffer, write rows, an extent."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.buffer = _ProbeBuffer(data)
+        self.write_rows: torch.Tensor | None = None
+        self.write_start = 0
+        self.extent = 0
+
+
+def self_check(decoder: NativeDecoder, tokens: int = 7) -> str | None:
+    """None when the native forward (before any ``set_matmul``) reproduces HF's logits on ``tokens``
+    random tokens — a prefill of all but two, then two more over the cached rows — else what differed."""
+    model = decoder.model
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    vocab = decoder.embed.shape[0]
+    ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(tokens, device=device) + 3
+    with torch.inference_mode():
+        expected = model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
+        data = torch.zeros(len(decoder.layers), 2, decoder.kv_heads, tokens, decoder.head_dim, dtype=dtype,
+                           device=device)
+        cache = _ProbeCache(data)
+        causal = positions[None, :] <= positions[:, None]
+        bias = torch.zeros(tokens, tokens, dtype=dtype, device=device).masked_fill_(~causal, float("-inf"))
+        got = []
+        for first, last in ((0, tokens - 2), (tokens - 2, tokens)):
+            cache.write_start, cache.extent = first, last
+            spec = AttentionSpec(bias[first:last, :last], positions[first:last], positions[:last])
+            got.append(decoder.forward(ids[first:last], positions[first:last], spec, cache, None))
+        got = torch.cat(got).to(expected.dtype)
+    spread = float(expected.float().std()) or 1.0
+    error = float((got - expected).abs().max()) / spread
+    tol = SELF_CHECK_TOL if dtype == torch.float32 else 5e-2
+    if not math.isfinite(error) or error > tol:
+        return f"max |native - HF| = {error:.3g} of the logits' spread (tolerance {tol:g})"
+    return None
