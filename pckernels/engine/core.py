@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 MODES = ("cached", "reference", "baseline")
 
+DEFAULT_PREFIX_BLOCK = 256
+"""Tokens per block of the engine's exact prefix reuse (see ``prefix_block_size``)."""
+
 DEFAULT_CPU_KV_BUDGET = 2 << 30
 """KV arena bytes on CPU when ``kv_budget`` is not given (on CUDA: a quarter of the device)."""
 
@@ -97,6 +100,10 @@ class PromptCache:
     keyed apart from fp32 ones). Needs the native forward (:mod:`pckernels.integration.native`);
     a ``ValueError`` otherwise.
 
+    ``prefix_block_size``: tokens per block of plain prompts' exact prefix reuse (``complete``;
+    default 256): a hit recomputes up to one block less a token; smaller blocks cost the cold
+    read more forwards (``docs/prefix.md``).
+
     ``model_id`` names the weights in cache keys; by default every tensor is hashed
     (:func:`pckernels.integration.identity.model_fingerprint`), ``from_pretrained`` hashes the
     weight files once instead.
@@ -108,7 +115,8 @@ class PromptCache:
                  host_budget: int | str | None = None, disk_budget: int | str | None = None,
                  model_id: str | None = None, kv_budget: int | str | None = None, max_queue: int = 256,
                  max_batch: int = 64, step_tokens: int = 2048, remote: RemoteTier | str | None = None,
-                 remote_namespace: str = DEFAULT_NAMESPACE, matmul: str = "fp32") -> None:
+                 remote_namespace: str = DEFAULT_NAMESPACE, matmul: str = "fp32",
+                 prefix_block_size: int = DEFAULT_PREFIX_BLOCK) -> None:
         budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
         if remote is not None and not isinstance(remote, RemoteTier):
             remote = RemoteTier(remote, namespace=remote_namespace)
@@ -128,6 +136,9 @@ class PromptCache:
         self.model, self.adapter, self.layout, self.model_id = in_fresh_thread(setup)
         self.max_positions = self.adapter.max_positions()
         self.matmul = matmul
+        if prefix_block_size < 1:
+            raise ValueError(f"prefix_block_size must be >= 1, got {prefix_block_size}")
+        self.prefix_block_size = prefix_block_size
         self.store = TieredStore(self.device, disk_dir=store_dir, remote=remote, **budgets)
         self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.numerics, self.name,
                                      layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
@@ -322,7 +333,7 @@ class PromptCache:
 
                 self._prefix = self.scheduler.call(lambda: EnginePrefixCache(
                     self.adapter, self.tokenizer, layout=self.layout, dtype=self.dtype, numerics=self.numerics,
-                    spill=self.store, spill_model_id=self.model_id))
+                    block_size=self.prefix_block_size, spill=self.store, spill_model_id=self.model_id))
             return self._prefix
 
     # -- requests ---------------------------------------------------------------------------------

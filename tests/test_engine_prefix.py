@@ -1,0 +1,102 @@
+"""The engine's exact prefix reuse (``pckernels.engine.prefix_rows``): prompts read into arena rows.
+
+A hit places the stored blocks into the request's rows and computes the rest there; its first
+logits and greedy tokens are bitwise those of ``reuse=False`` — with the blocks at other arena
+rows than where they were computed, with free rows poisoned, with blocks spilled to the store
+and read back, when no contiguous run is free (the prompt is read privately and moved), for the
+native forward and HF's modules alike.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from family_models import BY_NAME
+from pckernels.engine import PromptCache
+from test_families import hf_forward, tokenizer  # noqa: F401  (fixture)
+
+BLOCK = 16
+NEW = 4
+
+
+def doc(tokenizer, seed: int, tokens: int = 90) -> list[int]:  # noqa: F811
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, len(tokenizer) - 100, (tokens,), generator=g).tolist()
+
+
+def engine(tokenizer, *, native: bool = True, **options) -> PromptCache:  # noqa: F811
+    model = BY_NAME["llama"].build(len(tokenizer))
+    if native:
+        return PromptCache(model, tokenizer, prefix_block_size=BLOCK, **options)
+    with hf_forward():
+        return PromptCache(model, tokenizer, prefix_block_size=BLOCK, **options)
+
+
+def same(a, b) -> bool:
+    return a.token_ids == b.token_ids and torch.equal(a.first_logits, b.first_logits)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_hit_is_bitwise_the_uncached_read(tokenizer, native):  # noqa: F811
+    pc = engine(tokenizer, native=native)
+    assert (pc.adapter.native is not None) == native
+    base = doc(tokenizer, 1)
+    first, second = base + doc(tokenizer, 2, 7), base + doc(tokenizer, 3, 5)
+    fresh = pc.complete(second, max_new_tokens=NEW, reuse=False)
+    pc.complete(first, max_new_tokens=NEW)
+    hit = pc.complete(second, max_new_tokens=NEW)
+    assert hit.cached_tokens == len(base) // BLOCK * BLOCK
+    assert hit.computed_tokens == len(second) - hit.cached_tokens
+    assert same(hit, fresh)
+    repeat = pc.complete(second, max_new_tokens=NEW)
+    assert repeat.cached_tokens == len(second) and same(repeat, fresh)
+
+
+def test_hits_survive_other_rows_poison_and_batches(tokenizer):  # noqa: F811
+    pc = engine(tokenizer)
+    base = doc(tokenizer, 4, 70)
+    prompts = [base + doc(tokenizer, 10 + i, 3 + i) for i in range(4)]
+    fresh = [pc.complete(p, max_new_tokens=NEW, reuse=False) for p in prompts]
+    pc.complete(prompts[0], max_new_tokens=NEW)
+    with pc.model_lock:
+        pc.scheduler.arena.poison_()
+        handles = [pc.submit(pc.complete_request(p, max_new_tokens=NEW)) for p in prompts[1:]]
+    for handle, want in zip(handles, fresh[1:]):
+        got = handle.result(timeout=60)
+        assert got.cached_tokens == 64
+        assert torch.equal(got.first_logits, want.first_logits)
+        assert got.token_ids[0] == want.token_ids[0]
+
+
+def test_without_a_free_run_the_prompt_is_read_privately_and_moved(tokenizer, monkeypatch):  # noqa: F811
+    pc = engine(tokenizer)
+    base = doc(tokenizer, 5)
+    prompt = base + doc(tokenizer, 6, 9)
+    fresh = pc.complete(prompt, max_new_tokens=NEW, reuse=False)
+    pc.complete(base + doc(tokenizer, 7, 4), max_new_tokens=NEW)
+    monkeypatch.setattr(pc.scheduler.arena, "allocate_run", lambda n: None)
+    hit = pc.complete(prompt, max_new_tokens=NEW)
+    assert pc.stats()["engine"]["prefix_rows_moved"] == 1
+    assert hit.cached_tokens > 0 and same(hit, fresh)
+
+
+def test_spilled_blocks_come_back_bitwise(tokenizer):  # noqa: F811
+    pc = engine(tokenizer)
+    base = doc(tokenizer, 8)
+    prompt = base + doc(tokenizer, 9, 6)
+    fresh = pc.complete(prompt, max_new_tokens=NEW, reuse=False)
+    pc.complete(base + doc(tokenizer, 11, 3), max_new_tokens=NEW)
+    prefix = pc.prefix
+    prefix._store.budget_bytes = 0
+    prefix._store.evict_to_budget()
+    assert prefix.stats()["entries"] == 0 and prefix.stats()["spilled_blocks"] > 0
+    hit = pc.complete(prompt, max_new_tokens=NEW)
+    assert prefix.stats()["restored_blocks"] > 0 and hit.cached_tokens > 0
+    assert same(hit, fresh)
+
+
+def test_engine_blocks_are_not_a_standalone_prefix_cache_s(tokenizer):  # noqa: F811
+    """Chains are rooted in the engine's numerics: another forward's blocks never match."""
+    native, hf = engine(tokenizer), engine(tokenizer, native=False)
+    assert native.prefix._root != hf.prefix._root
