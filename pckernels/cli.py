@@ -85,15 +85,18 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
         temperature: float = typer.Option(0.0, help="0 is greedy."),
         seed: Optional[int] = typer.Option(None, help="Sampling seed."),
         as_json: bool = typer.Option(False, "--json", help="Print the result fields as JSON."),
-        device: Optional[str] = typer.Option(None), dtype: Optional[str] = typer.Option(None)) -> None:
+        device: Optional[str] = typer.Option(None), dtype: Optional[str] = typer.Option(None),
+        matmul: str = typer.Option("fp32", help="CPU matmul precision: fp32 or bf16 (docs/perf.md).")) -> None:
     """Answer one PML prompt against a schema."""
     modes = ["cached", "baseline", "reference"] if mode == "compare" else [mode]
     if mode not in ("cached", "baseline", "reference", "compare"):
         fail(f"unknown mode {mode!r}: expected cached, baseline, reference or compare")
+    if matmul not in ("fp32", "bf16"):
+        fail(f"unknown --matmul {matmul!r}: expected fp32 or bf16")
     check_model_options(model, device, dtype)
     if "<" not in schema and not Path(schema).is_file():
         fail(f"no such schema file: {schema!r}")
-    cache = load_engine(model, device, dtype)
+    cache = load_engine(model, device, dtype, matmul=matmul)
     try:
         cache.add_schema(schema if "<" in schema else Path(schema))
         text = _text_or_file(prompt)

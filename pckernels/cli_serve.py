@@ -60,6 +60,9 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
                                                                      "model's name)."),
           device: Optional[str] = typer.Option(None, help="cpu, cuda, … (default: best available)."),
           dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16."),
+          matmul: str = typer.Option("fp32", help="CPU matmul precision: fp32, or bf16 (oneDNN over packed bf16 "
+                                                 "weights; faster, changes numerics: docs/perf.md)."),
+          prefix_block: int = typer.Option(256, min=1, help="Tokens per block of plain prompts' exact prefix reuse."),
           log_level: str = typer.Option("info", help="debug, info, warning, error.")) -> None:
     """Serve the OpenAI API (chat, completions, models) plus PML schemas, tenants and /metrics."""
     import uvicorn
@@ -94,11 +97,14 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
                         "tenants' blocks are not shared across the fleet; give every server the same secret",
                         SECRET_ENV)
     check_model_options(model, device, dtype)
+    if matmul not in ("fp32", "bf16"):
+        fail(f"unknown --matmul {matmul!r}: expected fp32 or bf16")
     store = False if memory_only else (store_dir or default_store_dir())
     tenants = Tenants(keys, server_secret(None if store is False else store))
     engine = load_engine(model, device, dtype, store_dir=store, device_budget=device_budget, host_budget=host_budget,
                          disk_budget=disk_budget, kv_budget=kv_budget, max_queue=max_queue, max_batch=max_batch,
-                         remote=remote, remote_namespace=remote_namespace)
+                         remote=remote, remote_namespace=remote_namespace, matmul=matmul,
+                         prefix_block_size=prefix_block)
     try:
         app = create_app(engine, tenants=tenants, model_name=served_model_name or model, schemas_dir=schemas,
                          request_timeout=request_timeout or None, default_max_tokens=max_tokens)

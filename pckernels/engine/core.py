@@ -30,7 +30,7 @@ from pckernels.engine.text import TextStream
 from pckernels.engine.threads import in_fresh_thread
 from pckernels.integration.native import MATMULS
 from pckernels.errors import PMLError, PMLPromptTooLongError
-from pckernels.integration.adapters import ModelAdapter, adapter_for
+from pckernels.integration.adapters import adapter_for
 from pckernels.integration.identity import model_fingerprint, weight_files
 from pckernels.pml import check_answerable, parse_prompt, parse_schema
 from pckernels.pml.model import ResolvedPrompt, Schema

@@ -37,6 +37,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="smollm2", help="model name or path (default: the embedded SmolLM2)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--matmul", choices=("fp32", "bf16"), default="fp32",
+                    help="promptcache's matmul precision on CPU (bf16: oneDNN over packed weights)")
+    ap.add_argument("--prefix-block", type=int, help="tokens per block of exact prefix reuse (default 256)")
+    ap.add_argument("--llama-python", help="a Python with llama-cpp-python for the llamacpp experiment "
+                                           "(default: $PROMPTCACHE_LLAMACPP_PYTHON, then this one)")
     ap.add_argument("--out", type=Path, help="output directory (default perf/results/<machine>/<preset>)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--resume", action="store_true",
@@ -73,11 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     preset = args.preset or ("quick" if args.quick else "full")
     config = SuiteConfig.named(preset).with_overrides(experiments=args.only, repeats=args.repeats,
-                                                      ttft_repeats=args.ttft_repeats, lengths=args.lengths)
-    if args.only or args.repeats or args.ttft_repeats or args.lengths:
+                                                      ttft_repeats=args.ttft_repeats, lengths=args.lengths,
+                                                      prefix_block_size=args.prefix_block, peer_python=args.llama_python)
+    if args.only or args.repeats or args.ttft_repeats or args.lengths or args.prefix_block or args.matmul != "fp32":
         config.name = f"{preset}-custom"
     print(f"loading {args.model} …", flush=True)
-    engine = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=False)
+    engine = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=False,
+                                         matmul=args.matmul, prefix_block_size=config.prefix_block_size)
     out_dir = args.out or default_out_dir(engine, config)
     checkpoint = out_dir / PARTIAL_NAME
     previous = read_checkpoint(checkpoint) if args.resume else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-EXPERIMENTS = ("ttft", "workloads", "hit_ratio", "amortisation", "memory", "decode", "concurrency")
+EXPERIMENTS = ("ttft", "workloads", "hit_ratio", "amortisation", "memory", "decode", "concurrency", "llamacpp")
 
 
 @dataclass
@@ -39,6 +39,11 @@ class SuiteConfig:
     concurrency_requests: int = 2
     """Requests each concurrent client sends, back to back."""
     concurrency_tokens: int = 32
+    peer_contexts: list[int] = field(default_factory=lambda: [4096, 8064])
+    """Document sizes of the llama.cpp comparison (the prompt adds a chat template and a question)."""
+    peer_threads: int = 2
+    peer_python: str | None = None
+    """A Python with llama-cpp-python (default: ``$PROMPTCACHE_LLAMACPP_PYTHON``, then this one)."""
     experiments: list[str] = field(default_factory=lambda: list(EXPERIMENTS))
 
     @classmethod
@@ -52,7 +57,7 @@ class SuiteConfig:
                    rag_doc_tokens=256, rag_k=4, template_system_tokens=512, code_files=6, code_file_tokens=192,
                    queries=4, check_tokens=8, hit_ratio_tokens=1024, hit_ratios=[0.0, 0.5, 0.9, 1.0],
                    amortisation_tokens=[512, 2048], decode_context_tokens=1024, decode_tokens=16,
-                   concurrency_streams=[1, 2, 4, 8], concurrency_tokens=16)
+                   concurrency_streams=[1, 2, 4, 8], concurrency_tokens=16, peer_contexts=[2048])
 
     @classmethod
     def tiny(cls) -> "SuiteConfig":
@@ -61,7 +66,7 @@ class SuiteConfig:
                    rag_k=2, template_system_tokens=32, code_files=3, code_file_tokens=24, queries=3,
                    check_tokens=3, hit_ratio_tokens=64, hit_ratios=[0.0, 0.5, 1.0], amortisation_tokens=[32],
                    decode_context_tokens=48, decode_tokens=4, prefix_block_size=16, concurrency_streams=[1, 2],
-                   concurrency_requests=1, concurrency_tokens=3)
+                   concurrency_requests=1, concurrency_tokens=3, peer_contexts=[48])
 
     @classmethod
     def named(cls, name: str) -> "SuiteConfig":

@@ -9,7 +9,6 @@ from typing import Sequence
 
 from pckernels.engine import PromptCache
 from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
-from pckernels.prefix import PrefixCache
 
 from perf.suite.config import SuiteConfig
 
@@ -37,21 +36,41 @@ class Ticker:
             self.progress.update(self._task, completed=task.total)
 
 
+class EnginePrefix:
+    """Exact prefix reuse as a user of the engine gets it: ``engine.complete`` (plain prompts read
+    into the arena by the engine's prefix cache, decoding in the engine's batch)."""
+
+    def __init__(self, engine: PromptCache) -> None:
+        self.engine = engine
+
+    def complete(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True):
+        return self.engine.complete(prompt, max_new_tokens=max_new_tokens, reuse=reuse)
+
+    def clear(self) -> None:
+        self.engine.prefix.clear()
+
+    def stats(self) -> dict:
+        return self.engine.prefix.stats()
+
+
 @dataclass
 class Bench:
-    """``engine``: Prompt Cache; ``prefix``: exact prefix reuse over the same model and tokenizer
-    (made on first use: its construction runs a self-check forward)."""
+    """``engine``: Prompt Cache; ``prefix``: exact prefix reuse through the same engine
+    (``engine.complete``), its block size the config's ``prefix_block_size``."""
 
     engine: PromptCache
     config: SuiteConfig
     ticker: Ticker = field(default_factory=Ticker)
-    _prefix: PrefixCache | None = None
+    _prefix: EnginePrefix | None = None
 
     @property
-    def prefix(self) -> PrefixCache:
+    def prefix(self) -> EnginePrefix:
         if self._prefix is None:
-            self._prefix = PrefixCache(self.engine.model, self.engine.tokenizer,
-                                       block_size=self.config.prefix_block_size, strict=True)
+            if self.engine.prefix_block_size != self.config.prefix_block_size:
+                raise ValueError(f"the engine reads plain prompts in blocks of {self.engine.prefix_block_size} "
+                                 f"tokens, the config asks for {self.config.prefix_block_size}: build it with "
+                                 "PromptCache(..., prefix_block_size=config.prefix_block_size)")
+            self._prefix = EnginePrefix(self.engine)
         return self._prefix
 
     def clear_caches(self) -> None:

@@ -129,14 +129,36 @@ def concurrency_panel(ax, result: dict) -> None:
     ax.legend(fontsize=7, loc="upper left")
 
 
+def llamacpp_panel(ax, result: dict) -> None:
+    """TTFT of a few new tokens after a cached document, per engine set-up and context size."""
+    contexts = result["contexts"]
+    names = [n for n in contexts[0]["seconds"] if n.startswith("hit/")]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        med, lo, hi = zip(*(_ms(c["seconds"][name]) for c in contexts))
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(contexts))]
+        color = COLORS["prompt_cache"] if "promptcache" in name else None
+        ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=name[4:], color=color,
+               alpha=1.0 if "module" in name or "llama" in name else 0.6)
+    ax.set_xticks(range(len(contexts)), [f"{c['context_tokens']} tokens" for c in contexts])
+    ax.set_ylabel("TTFT after a cached document (ms)")
+    ax.set_title("vs llama.cpp (same weights, same token ids)")
+    ax.legend(fontsize=6)
+
+
+def _present(results: dict) -> list[str]:
+    return [name for name in PANELS if name in results["experiments"]
+            and not results["experiments"][name].get("skipped")]
+
+
 PANELS = {"ttft": ttft_panel, "workloads": workloads_panel, "hit_ratio": hit_ratio_panel,
           "amortisation": amortisation_panel, "memory": memory_panel, "decode": decode_panel,
-          "concurrency": concurrency_panel}
+          "concurrency": concurrency_panel, "llamacpp": llamacpp_panel}
 
 
 def write_plots(results: dict, out_dir: Path, title: str) -> list[Path]:
     """``overview.png`` with every experiment present plus ``<experiment>.png`` each."""
-    present = [name for name in PANELS if name in results["experiments"]]
+    present = _present(results)
     written = []
     if not present:
         return written

@@ -156,9 +156,35 @@ def concurrency_section(result: dict) -> list[str]:
                      "answers = alone, first-logit max diff"], rows), ""]
 
 
+def llamacpp_section(result: dict) -> list[str]:
+    if result.get("skipped"):
+        return ["## 8. llama.cpp, the CPU peer", "", f"Skipped: {result['skipped']}", ""]
+    lines = ["## 8. llama.cpp, the CPU peer", "",
+             f"llama-cpp-python {result['llama_cpp_python']}, {result['threads']} threads each; the same token ids; "
+             f"llama.cpp on the embedded model's weights as F32 (flash attention off / on, `fa`) and as the "
+             f"shipped Q4_1; promptcache with {result['promptcache_matmul']} matmuls. *hit*: a new question "
+             "(the tokens after the document) over the cached document — llama.cpp keeps its longest cached "
+             "prefix; promptcache imports the document as a module, or `complete()` reuses its prefix blocks.", ""]
+    for c in result["contexts"]:
+        names = sorted({n.split("/", 1)[1] for n in c["seconds"]} | set(c["decode_tokens_per_s"]))
+        rows = []
+        for name in names:
+            cold = c["seconds"].get(f"cold/{name}")
+            hit = c["seconds"].get(f"hit/{name}")
+            rate = c["decode_tokens_per_s"].get(name)
+            rows.append([name, f"{cold['median']:.2f} s" if cold else "–", ms(hit) if hit else "–",
+                         f"{rate['median']:.1f} ({rate['min']:.1f}–{rate['max']:.1f})" if rate else "–"])
+        lines += [f"### {c['context_tokens']}-token prompt, {c['question_tokens']} new tokens per question", "",
+                  *_table(["engine", "cold prefill", "hit TTFT", "decode tok/s"], rows), "",
+                  f"promptcache's prefix reuse recomputes {c['prefix_recomputed_tokens']} tokens per hit (the tail "
+                  f"after the last full block plus the question); first tokens agree across engines in "
+                  f"{c['first_token_agrees']} of {c['rounds']} rounds.", ""]
+    return lines
+
+
 SECTIONS = {"ttft": ttft_section, "workloads": workloads_section, "hit_ratio": hit_ratio_section,
             "amortisation": amortisation_section, "memory": memory_section, "decode": decode_section,
-            "concurrency": concurrency_section}
+            "concurrency": concurrency_section, "llamacpp": llamacpp_section}
 
 
 def targets(results: dict) -> list[str]:

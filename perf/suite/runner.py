@@ -17,14 +17,14 @@ import torch
 
 from pckernels.engine import PromptCache
 
-from perf.suite import amortisation, concurrency, decode, hit_ratio, memory, ttft, workloads
+from perf.suite import amortisation, concurrency, decode, hit_ratio, memory, peer, ttft, workloads
 from perf.suite.config import SuiteConfig
 from perf.suite.context import Bench, Ticker
 
 log = logging.getLogger(__name__)
 
 EXPERIMENT_MODULES = {"ttft": ttft, "workloads": workloads, "hit_ratio": hit_ratio, "amortisation": amortisation,
-                      "memory": memory, "decode": decode, "concurrency": concurrency}
+                      "memory": memory, "decode": decode, "concurrency": concurrency, "llamacpp": peer}
 RESULTS_ROOT = Path(__file__).resolve().parents[1] / "results"
 PARTIAL_NAME = "suite.partial.json"
 
@@ -53,6 +53,7 @@ def environment(engine: PromptCache) -> dict:
     return {"machine": machine_name(engine.device), "cpu": cpu_model(), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "device": str(engine.device), "dtype": str(engine.dtype),
+            "matmul": engine.matmul, "numerics": engine.numerics,
             "model": engine.name, "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "started": datetime.datetime.now().isoformat(timespec="seconds")}
 

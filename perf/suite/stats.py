@@ -44,3 +44,13 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     """Median of the ratios of samples taken in the same round: robust to load that drifts
     between rounds on a shared machine."""
     return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
+
+
+def common_prefix(a: list, b: list) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

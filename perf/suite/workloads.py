@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from perf.suite.context import Bench, natural_order_ids
-from perf.suite.stats import paired_ratio, ratio, summarize
+from perf.suite.stats import common_prefix, paired_ratio, ratio, summarize
 from perf.suite.texts import archive, guidelines, pml_escape, sized, source_file
 
 METHODS = ("no_reuse", "prefix", "prompt_cache")
@@ -126,14 +126,6 @@ def steps(bench: Bench) -> int:
     return len(BUILDERS) * cfg.queries * (4 + cfg.repeats * len(METHODS))
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
 
 def check_outputs(bench: Bench, workload: Workload, prompt_ids: list[list[int]]) -> list[dict]:
     """Per query: each method against its oracle, and Prompt Cache against no reuse."""
@@ -152,7 +144,7 @@ def check_outputs(bench: Bench, workload: Workload, prompt_ids: list[list[int]])
             "prompt_cache_equals_oracle": cached.token_ids == oracle.token_ids,
             "prompt_cache_logits_max_abs_diff": float((cached.first_logits - oracle.first_logits).abs().max()),
             "first_token_agrees_with_no_reuse": cached.token_ids[0] == plain.token_ids[0],
-            "tokens_agreeing_with_no_reuse": _common_prefix(cached.token_ids, plain.token_ids),
+            "tokens_agreeing_with_no_reuse": common_prefix(cached.token_ids, plain.token_ids),
             "tokens": n,
             "prompt_cache_text": cached.text, "no_reuse_text": plain.text,
         })
