@@ -76,9 +76,36 @@ def test_without_a_free_run_the_prompt_is_read_privately_and_moved(tokenizer, mo
     fresh = pc.complete(prompt, max_new_tokens=NEW, reuse=False)
     pc.complete(base + doc(tokenizer, 7, 4), max_new_tokens=NEW)
     monkeypatch.setattr(pc.scheduler.arena, "allocate_run", lambda n: None)
+    monkeypatch.setattr(pc.scheduler.arena, "allocate_at", lambda start, n: None)
     hit = pc.complete(prompt, max_new_tokens=NEW)
     assert pc.stats()["engine"]["prefix_rows_moved"] == 1
     assert hit.cached_tokens > 0 and same(hit, fresh)
+
+
+def test_rows_left_by_the_last_reader_are_reused_in_place(tokenizer):  # noqa: F811
+    """A request reading the blocks an earlier one left in free rows starts its run there and copies
+    nothing; once those rows are handed out (here: poisoned) the blocks are placed again."""
+    pc = engine(tokenizer)
+    base = doc(tokenizer, 12)
+    prompts = [base + doc(tokenizer, 20 + i, 5 + i) for i in range(3)]
+    fresh = [pc.complete(p, max_new_tokens=NEW, reuse=False) for p in prompts]
+    pc.complete(prompts[0], max_new_tokens=NEW)
+    counters = pc.scheduler.counters
+    before = counters["prefix_tokens_in_place"]
+    hit = pc.complete(prompts[1], max_new_tokens=NEW)
+    assert counters["prefix_tokens_in_place"] - before == len(base) // BLOCK * BLOCK
+    assert same(hit, fresh[1])
+    with pc.model_lock:
+        pc.scheduler.arena.poison_()
+    before = counters["prefix_tokens_in_place"]
+    hit = pc.complete(prompts[2], max_new_tokens=NEW)
+    assert counters["prefix_tokens_in_place"] == before and hit.cached_tokens > 0
+    assert same(hit, fresh[2])
+    other = doc(tokenizer, 30, 3 * BLOCK)
+    pc.complete(other, max_new_tokens=NEW)
+    pc.complete(prompts[0], max_new_tokens=NEW, reuse=False)
+    hit = pc.complete(prompts[1], max_new_tokens=NEW)
+    assert same(hit, fresh[1]), "rows another request wrote were taken for the blocks they held before"
 
 
 def test_spilled_blocks_come_back_bitwise(tokenizer):  # noqa: F811

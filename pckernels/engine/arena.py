@@ -66,6 +66,17 @@ class RowAllocator:
                 return list(range(start, start + n))
         return None
 
+    def allocate_at(self, start: int, n: int) -> list[int] | None:
+        """Rows ``start .. start + n - 1`` if they are all free, else None (nothing taken then)."""
+        for index, (lo, hi) in enumerate(self._free):
+            if lo <= start and start + n <= hi:
+                pieces = [(lo, start)] if lo < start else []
+                if start + n < hi:
+                    pieces.append((start + n, hi))
+                self._free[index:index + 1] = pieces
+                return list(range(start, start + n))
+        return None
+
     def release(self, rows: list[int]) -> None:
         """Give ``rows`` back (each must be allocated)."""
         for start, stop in _ranges(sorted(rows)):
@@ -120,6 +131,10 @@ class KVArena:
         self.data = self._alloc(0)
         self.row_pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self.blocks: dict[object, ResidentBlock] = {}
+        self.prefix_rows: dict[bytes, int] = {}
+        """Prefix-cache block (chain key) -> first of the ``prefix_block`` free rows that still hold
+        its keys and values since the request that read it finished (forgotten once handed out)."""
+        self.prefix_block = 0
         self.growths = 0
         self._clock = 0
         self.max_rows = max(1, max_bytes // self.bytes_per_row)
@@ -161,6 +176,9 @@ class KVArena:
     def allocate(self, n: int) -> list[int]:
         """``n`` rows: free ones, then rows of idle blocks (least recently used first), then new
         capacity. Raises ``MemoryError`` past ``max_rows`` (admission prevents it)."""
+        return self._handed_out(self._allocate(n))
+
+    def _allocate(self, n: int) -> list[int]:
         rows = self.allocator.allocate(n)
         while rows is None and self._evict_one_idle():
             rows = self.allocator.allocate(n)
@@ -184,6 +202,41 @@ class KVArena:
             at_end = tail[1] - tail[0] if tail is not None and tail[1] == self.capacity else 0
             self._grow(self.capacity + n - at_end)
             rows = self.allocator.allocate_run(n)
+        return self._handed_out(rows)
+
+    def allocate_at(self, start: int, n: int) -> list[int] | None:
+        """Rows ``start .. start + n - 1`` if all are free (None otherwise, nothing taken)."""
+        rows = self.allocator.allocate_at(start, n)
+        return self._handed_out(rows)
+
+    def remember_prefix(self, keys: list[bytes], start: int, block: int) -> None:
+        """Rows from ``start`` (about to be freed) hold the prefix blocks ``keys`` in order, ``block``
+        rows each: a later request reading the same blocks may take those rows as they are."""
+        if self.prefix_block != block:
+            self.prefix_rows.clear()
+            self.prefix_block = block
+        for index, key in enumerate(keys):
+            self.prefix_rows[key] = start + index * block
+
+    def prefix_run(self, keys: list[bytes]) -> tuple[int, int]:
+        """``(start, blocks)``: the longest leading run of ``keys`` remembered in consecutive rows."""
+        start = self.prefix_rows.get(keys[0]) if keys else None
+        if start is None:
+            return -1, 0
+        count = 1
+        while count < len(keys) and self.prefix_rows.get(keys[count]) == start + count * self.prefix_block:
+            count += 1
+        return start, count
+
+    def _handed_out(self, rows: list[int] | None) -> list[int] | None:
+        """Forget remembered prefix blocks whose rows are being handed out (they will be written)."""
+        if rows and self.prefix_rows:
+            block = self.prefix_block
+            spans = _ranges(sorted(rows))
+            stale = [key for key, first in self.prefix_rows.items()
+                     if any(lo < first + block and first < hi for lo, hi in spans)]
+            for key in stale:
+                del self.prefix_rows[key]
         return rows
 
     def release(self, rows: list[int]) -> None:
@@ -247,6 +300,7 @@ class KVArena:
     def poison_(self, value: float = 1e3) -> None:
         """Fill every free row with ``value`` (tests: a row read before it is written shows in the
         logits). Finite on purpose: masked keys must contribute exactly zero, and NaN would not."""
+        self.prefix_rows.clear()
         with torch.inference_mode():
             for start, stop in self.allocator._free:
                 self.data[:, :, :, start:stop] = value

@@ -30,9 +30,10 @@ from pckernels.prefix.states import KV
 
 NEG_INF = float("-inf")
 
-_TARGET: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("promptcache_prefix_rows",
-                                                                             default=None)
-"""Rows ``[L, 2, H, n, D]`` (a view of the arena) the prefill running in this context reads into."""
+_TARGET: contextvars.ContextVar[tuple[torch.Tensor, int] | None] = contextvars.ContextVar(
+    "promptcache_prefix_rows", default=None)
+"""Rows ``[L, 2, H, n, D]`` (a view of the arena) the prefill running in this context reads into,
+and how many leading tokens they already hold."""
 
 
 class RowsBuffer:
@@ -80,7 +81,10 @@ class _RowStates:
         whose rows start at a varying offset (so the self-check compares different addresses)."""
         target = _TARGET.get()
         if target is not None:
-            return BufferCache(RowsBuffer(target, self.layout, growable=False))
+            rows, placed = target
+            cache = BufferCache(RowsBuffer(rows, self.layout, growable=False))
+            cache.placed = placed
+            return cache
         lay = self.layout
         offset = next(self._offsets)
         data = torch.zeros((lay.num_layers, 2, lay.num_kv_heads, offset + 64, lay.head_dim), dtype=self.dtype,
@@ -98,14 +102,16 @@ class _RowStates:
         return [None] * self.layout.num_layers
 
     def restore(self, cache: BufferCache, kv_pieces: list, states) -> None:
-        """Place the pieces (in token order) in rows ``0 ..`` with one gather-concat launch."""
+        """Place the pieces (in token order) in rows ``0 ..`` with one gather-concat launch; pieces
+        within the tokens the rows already hold (``cache.placed``) are not copied."""
         buf = cache.buffer
         total = sum(piece[0][0].shape[2] for piece in kv_pieces)
         buf.ensure(total)
+        placed = getattr(cache, "placed", 0)
         blocks, table, row = [], [], 0
         for piece in kv_pieces:
             n = piece[0][0].shape[2]
-            if n:
+            if n and row + n > placed:
                 blocks.append(piece.block if isinstance(piece, BlockKV) else _stack(piece))
                 table.append((len(blocks) - 1, 0, row, n))
             row += n
@@ -144,10 +150,12 @@ class EnginePrefixCache(PrefixCache):
         return f"{self.numerics}/rows"
 
     def prefill(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
-                rows: torch.Tensor | None = None) -> Prefill:
+                rows: torch.Tensor | None = None, placed: int = 0) -> Prefill:
         """As :meth:`PrefixCache.prefill`; with ``rows`` (``[L, 2, H, >= n, D]``, a view of the
-        arena) the prompt's states are read into those rows, row i holding token i."""
-        token = _TARGET.set(rows)
+        arena) the prompt's states are read into those rows, row i holding token i. ``placed``:
+        the first tokens whose states the rows already hold (left from an earlier request that
+        read the same blocks there); stored blocks are not copied over them."""
+        token = _TARGET.set(None if rows is None else (rows, placed))
         try:
             return super().prefill(prompt_ids, reuse=reuse, salt=salt)
         finally:

@@ -78,6 +78,9 @@ class _Active:
     """Own rows later tokens may see ``[m]`` (device, long), kept up to date."""
     max_row: int = -1
     """The highest arena row the request may see (its steps' key extent), kept without device syncs."""
+    prefix_blocks: tuple | None = None
+    """A plain prompt read into one run of rows: ``(block keys, first row, block size)``, remembered
+    by the arena when its rows are freed."""
 
     @property
     def request(self) -> Request:
@@ -434,24 +437,36 @@ class Scheduler:
     def _start_prefix(self, handle: RequestHandle, generator, stopper) -> _Active | None:
         """Prefill a plain prompt exactly through the engine's prefix cache (alone), straight into a
         contiguous run of its own rows (``pckernels.engine.prefix_rows``), so its decoding joins the
-        batch with nothing moved; its first token is chosen here."""
+        batch with nothing moved; its first token is chosen here. When free rows still hold the
+        prompt's leading blocks from an earlier request (:meth:`KVArena.remember_prefix`), the run
+        starts there and those blocks are not copied again."""
         request = handle.request
         ids = request.prefix.token_ids
         n = len(ids)
         device = self.engine.device
-        run = self.arena.allocate_run(n)
+        prefix = self.engine.prefix
+        keys = prefix.chain_keys(ids, request.prefix.salt) if request.prefix.reuse else []
+        start, blocks = self.arena.prefix_run(keys)
+        run = self.arena.allocate_at(start, n) if blocks else None
+        placed = blocks * prefix.block_size if run is not None else 0
+        if run is None:
+            run = self.arena.allocate_run(n)
         rest = self.arena.allocate(self._own_rows(request) - n) if run is not None else None
         own = (run + rest) if run is not None else self.arena.allocate(self._own_rows(request))
         try:
             target = self.arena.data[:, :, :, run[0]:run[0] + n] if run else None
-            prefill = self.engine.prefix.prefill(ids, reuse=request.prefix.reuse, salt=request.prefix.salt,
-                                                 rows=target)
+            prefill = prefix.prefill(ids, reuse=request.prefix.reuse, salt=request.prefix.salt, rows=target,
+                                     placed=placed)
         except BaseException:
             self.arena.release(own)
             raise
+        if placed:
+            self.counters["prefix_tokens_in_place"] += placed
         active = _Active(handle, own, list(ids), list(range(n)), None,
                          generator=generator, stopper=stopper, cached_tokens=prefill.cached_tokens,
                          computed_tokens=n - prefill.cached_tokens, mode=prefill.mode)
+        if run:
+            active.prefix_blocks = (keys or prefix.chain_keys(ids, request.prefix.salt), run[0], prefix.block_size)
         rows = torch.tensor(active.rows[:n], dtype=torch.long, device=device)
         if run is None and n:
             self.counters["prefix_rows_moved"] += 1
@@ -471,6 +486,9 @@ class Scheduler:
         for key in active.block_keys:
             self.arena.release_block(key)
         active.block_keys = []
+        if active.prefix_blocks is not None:
+            self.arena.remember_prefix(*active.prefix_blocks)
+            active.prefix_blocks = None
         if active.rows:
             self.arena.release(active.rows)
             active.rows = []

@@ -260,9 +260,16 @@ class PrefixCache:
         logits = self._run_chunks(ids, cache, 0, chunk)
         return Prefill(logits, cache, 0)
 
+    def chain_keys(self, prompt_ids: list[int], salt: str = "") -> list[bytes]:
+        """The names of the full blocks of ``prompt_ids`` under ``salt`` (see :func:`block_keys`)."""
+        return block_keys(prompt_ids, self.block_size, self._chain_root(salt))
+
+    def _chain_root(self, salt: str) -> bytes:
+        return self._root + b"/salt/" + salt.encode() if salt else self._root
+
     def _prefill_reusing(self, prompt_ids: list[int], ids: torch.Tensor, salt: str = "") -> Prefill:
         n = len(prompt_ids)
-        root = self._root + b"/salt/" + salt.encode() if salt else self._root
+        root = self._chain_root(salt)
         keys = block_keys(prompt_ids, self.block_size, root)
         end_key = prompt_end_key(keys[-1] if keys else root, prompt_ids[len(keys) * self.block_size:])
         hold = _Hold()

@@ -22,9 +22,12 @@ import time
 
 
 def _argmax(llm) -> int:
+    """The greedy token after the last read (the logits of its last token; llama-cpp-python keeps
+    no scores without ``logits_all``)."""
     import numpy as np
 
-    return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))
 
 
 def main() -> None:

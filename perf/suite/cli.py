@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     preset = args.preset or ("quick" if args.quick else "full")
     config = SuiteConfig.named(preset).with_overrides(experiments=args.only, repeats=args.repeats,
                                                       ttft_repeats=args.ttft_repeats, lengths=args.lengths,
-                                                      prefix_block_size=args.prefix_block, peer_python=args.llama_python)
+                                                      prefix_block_size=args.prefix_block, peer_python=args.llama_python,
+                                                      peer_threads=args.threads)
     if args.only or args.repeats or args.ttft_repeats or args.lengths or args.prefix_block or args.matmul != "fp32":
         config.name = f"{preset}-custom"
     print(f"loading {args.model} …", flush=True)
