@@ -179,6 +179,8 @@ def llamacpp_section(result: dict) -> list[str]:
                   f"promptcache's prefix reuse recomputes {c['prefix_recomputed_tokens']} tokens per hit (the tail "
                   f"after the last full block plus the question); first tokens agree across engines in "
                   f"{c['first_token_agrees']} of {c['rounds']} rounds.", ""]
+    for label, why in result.get("failed", {}).items():
+        lines += [f"{label}: left out — {why}.", ""]
     return lines
 
 
