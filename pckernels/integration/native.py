@@ -51,8 +51,16 @@ SMALL_QUERY = 64
 
 QUERY_CHUNK = 256
 
+ONEDNN_ROWS = (4, 48)
+"""fp32 projections of this many rows (inclusive) run on oneDNN's inner product, the rest on MKL's
+GEMM (``F.linear``): on the embedded model oneDNN is 15-20% faster for 4-32 rows and slower for
+one (``perf/results/cpu-2c/linear``)."""
+
 SELF_CHECK_TOL = 1e-3
 """Largest |native - HF| of fp32 logits (relative to their spread) the self-check accepts."""
+
+
+_ONEDNN = torch.backends.mkldnn.is_available()
 
 
 def bf16_matmul_supported() -> bool:
@@ -84,6 +92,9 @@ class _Projection:
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, self.bias16, "none", [], "")
             return y.to(x.dtype)
+        lo, hi = ONEDNN_ROWS
+        if lo <= x.shape[0] <= hi and x.dtype == torch.float32 and _ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
