@@ -114,14 +114,17 @@ def test_native_forward_matches_hf_over_the_same_buffer(tokenizer, family):  # n
     assert (got_kv - want_kv).abs().max().item() <= NATIVE_TOL * max(1.0, want_kv.abs().max().item())
 
 
-def test_small_query_and_sdpa_paths_agree(tokenizer, monkeypatch):  # noqa: F811
+def test_per_head_batched_and_sdpa_paths_agree(tokenizer, monkeypatch):  # noqa: F811
     native, _ = twins("qwen2", len(tokenizer))
-    small, _ = run_scenario(native, len(tokenizer), long=30)
+    per_head, _ = run_scenario(native, len(tokenizer), long=30)
+    monkeypatch.setattr(native_mod, "PER_HEAD_MAX", 0)
+    batched, _ = run_scenario(native, len(tokenizer), long=30)
     monkeypatch.setattr(native_mod, "SMALL_QUERY", 0)
     monkeypatch.setattr(native_mod, "QUERY_CHUNK", 7)
     chunked, _ = run_scenario(native, len(tokenizer), long=30)
-    for a, b in zip(small, chunked):
+    for a, b, c in zip(per_head, batched, chunked):
         assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+        assert (a - c).abs().max().item() <= 1e-5 * max(1.0, c.abs().max().item())
 
 
 def test_hf_forward_of_the_model_is_unchanged(tokenizer):  # noqa: F811
