@@ -265,7 +265,7 @@ def summarize(records: list[Record], conds: list[Condition]) -> dict:
                 continue
             rows[cond.name] = {
                 "n": len(chosen),
-                "share": cond.share, "policy": cond.policy, "type": cond.kind,
+                "share": cond.share, "policy": cond.policy, "type": cond.kind, "placement": cond.placement,
                 "em": 100 * statistics.fmean(r.em for r in chosen),
                 "f1": 100 * statistics.fmean(r.f1 for r in chosen),
                 "contains": 100 * statistics.fmean(r.contains for r in chosen),
@@ -341,7 +341,7 @@ def plot(report: dict, path: Path) -> None:
               ("ttft_median_ms", "median TTFT (ms, log)", "kl", "first-token KL from baseline (nats, symlog)"))
     fig, axes = plt.subplots(len(panels), len(kinds), figsize=(6.5 * len(kinds), 13), squeeze=False)
     markers = {"baseline": ("k", "s"), "prefix": ("tab:gray", "D"), "independent": ("tab:red", "o"),
-               "scaffold": ("tab:green", "*")}
+               "compact": ("tab:orange", "^"), "scaffold": ("tab:green", "*")}
     for row, (x_key, x_label, y_key, y_label) in enumerate(panels):
         for ax, kind in zip(axes[row], kinds):
             rows = report["summary"][kind]
@@ -349,18 +349,20 @@ def plot(report: dict, path: Path) -> None:
                 if name in rows:
                     ax.scatter(rows[name][x_key], rows[name][y_key], c=colour, marker=marker, s=80,
                                label=name, zorder=3)
-            for policy, colour in (("first", "tab:blue"), ("deviation", "tab:purple")):
-                sweep = sorted((m["share"], m) for m in rows.values() if m["policy"] == policy)
-                if policy != "first" and "first@1" in rows:
-                    sweep.append((1.0, rows["first@1"]))
-                if not sweep:
-                    continue
-                points = ([(0.0, rows["independent"])] if "independent" in rows else []) + sweep
-                ax.plot([m[x_key] for _, m in points], [m[y_key] for _, m in points], "-o", c=colour,
-                        label=f"recompute {policy}")
-                for share, m in sweep:
-                    ax.annotate(f"{share:g}", (m[x_key], m[y_key]), textcoords="offset points",
-                                xytext=(4, -10), fontsize=8, color=colour)
+            for placement, start, style in (("schema", "independent", "-o"), ("compact", "compact", "--^")):
+                for policy, colour in (("first", "tab:blue"), ("deviation", "tab:purple"), ("epic", "tab:olive")):
+                    sweep = sorted(((m["share"], m) for m in rows.values() if m["policy"] == policy
+                                    and m.get("placement", "schema") == placement), key=lambda t: t[0])
+                    if policy == "deviation" and placement == "schema" and "first@1" in rows:
+                        sweep.append((1.0, rows["first@1"]))
+                    if not sweep:
+                        continue
+                    points = ([(0.0, rows[start])] if start in rows else []) + sweep
+                    ax.plot([m[x_key] for _, m in points], [m[y_key] for _, m in points], style, c=colour,
+                            label=f"{placement}: recompute {policy}")
+                    for share, m in sweep:
+                        ax.annotate(f"{share:g}", (m[x_key], m[y_key]), textcoords="offset points",
+                                    xytext=(4, -10), fontsize=8, color=colour)
             ax.set_xscale("log")
             if y_key == "kl":
                 ax.set_yscale("symlog", linthresh=1e-3)
