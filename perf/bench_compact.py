@@ -1,14 +1,17 @@
 """TTFT of compact placement vs schema placement, and what the re-rotation costs per token.
 
-``python -m perf.bench_compact`` (embedded model): a RAG schema of ``--passages`` passages inside
-the system prompt; each query imports every other one (``--k`` of them), so at schema placement
-they sit behind gaps and at compact placement they are moved together — the blocks after the first
-are re-rotated while they are copied into the arena. For each total of cached tokens
-(``--tokens``, split over the imported passages) it times, interleaved over ``--rounds``:
+``python -m perf.bench_compact`` (embedded model): a RAG schema inside the system prompt whose
+``--k`` long passages (``--tokens`` in all) alternate with short ones (``--filler`` tokens) the
+query leaves out, so at schema placement the imported passages sit behind gaps and at compact
+placement they are moved together — the blocks after the first are re-rotated while they are
+copied into the arena (the first reads its packed encoding, which needs no move). For each total
+it times, interleaved over ``--rounds``:
 
 * ``schema`` / ``compact``: blocks copied from the store into the arena on every query
   (``evict_resident`` first; compact re-rotates on the way);
-* ``schema_resident`` / ``compact_resident``: the blocks already in the arena;
+* ``schema_resident`` / ``compact_resident``: the blocks already in the arena (placed by the
+  query before, alone: the arena holds one placement at a time, so attention reads no rows of
+  the other's blocks);
 
 and a profile of one compact query (``perf.suite.breakdown``). Beside it, the block copy alone:
 ``ops.gather_rotate`` vs ``ops.gather_concat`` of the same rows, per token.
@@ -32,12 +35,11 @@ from perf.suite.texts import archive, pml_escape, sized
 QUESTION = "Which goods did the valley towns trade across the passes, and what did the mills grind?"
 
 
-def workload(tokenizer, total: int, passages: int, k: int) -> tuple[str, list[str]]:
-    each = total // k
-    docs = [pml_escape(sized(tokenizer, archive(300 + i), each)) for i in range(passages)]
+def workload(tokenizer, total: int, k: int, filler: int) -> tuple[str, list[str]]:
+    docs = [pml_escape(sized(tokenizer, archive(300 + i), total // k if i % 2 else filler)) for i in range(2 * k)]
     modules = "".join(f'<module name="p{i}">{d}\n</module>' for i, d in enumerate(docs))
     schema = f'<schema name="compact{total}"><system>Answer using only the passages.\n{modules}</system></schema>'
-    picked = "".join(f"<p{i}/>" for i in range(1, passages, passages // k)[:k])
+    picked = "".join(f"<p{i}/>" for i in range(1, 2 * k, 2))
     prompts = [f'<prompt schema="compact{total}" placement="{p}">{picked}<user>{QUESTION}</user><assistant/></prompt>'
                for p in ("schema", "compact")]
     return schema, prompts
@@ -63,9 +65,10 @@ def copy_seconds(layout, n: int, dtype: torch.dtype, inv: torch.Tensor, repeats:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.bench_compact", description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--passages", type=int, default=8)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 7680],
+                    help="cached tokens imported per query (8K: 7680, so the schema fits SmolLM2's 8192 positions)")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--filler", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = PromptCache.from_pretrained(store_dir=False, device_budget="8GiB")
     rows = []
     for total in args.tokens:
-        schema, (at_schema, compact) = workload(cache.tokenizer, total, args.passages, args.k)
+        schema, (at_schema, compact) = workload(cache.tokenizer, total, args.k, args.filler)
         cache.add_schema(schema)
         for prompt in (at_schema, compact):
             cache.generate(prompt, max_new_tokens=1)
@@ -87,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             cache.evict_resident()
             return cache.generate(prompt, max_new_tokens=1).ttft_s
 
+        def resident(prompt: str) -> float:
+            copied(prompt)
+            return cache.generate(prompt, max_new_tokens=1).ttft_s
+
         cases = {"schema": lambda: copied(at_schema), "compact": lambda: copied(compact),
-                 "schema_resident": lambda: cache.generate(at_schema, max_new_tokens=1).ttft_s,
-                 "compact_resident": lambda: cache.generate(compact, max_new_tokens=1).ttft_s}
+                 "schema_resident": lambda: resident(at_schema), "compact_resident": lambda: resident(compact)}
         samples: dict[str, list[float]] = {k: [] for k in cases}
         for _ in range(args.rounds):
             for name, fn in cases.items():
@@ -105,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                "breakdown_schema": profile(cache, lambda: copied(at_schema)),
                "copy": copy_seconds(cache.layout, total // args.k, cache.dtype, cache.key_rotation().inv_freq, 15)}
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("samples_ms",)}, indent=1), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("breakdown")}, indent=1), flush=True)
     report = {"settings": {"model": cache.name, "threads": args.threads, "rounds": args.rounds,
-                           "passages": args.passages, "k": args.k, "torch": torch.__version__,
+                           "filler": args.filler, "k": args.k, "torch": torch.__version__,
                            "machine": platform.machine()}, "rows": rows}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -416,3 +416,24 @@ def test_anonymous_text_that_moves_is_stale_and_recomputed(tokenizer):
     ref = pc.generate(prompt, mode="reference", max_new_tokens=NEW_TOKENS, recompute=1.0)
     assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
     assert got.token_ids == ref.token_ids
+
+
+def test_moved_block_over_fragmented_arena_rows(tokenizer):
+    """A moved block whose arena rows come in pieces: each piece gets its rows' deltas."""
+    pc = PromptCache(tiny_llama(len(tokenizer), seed=6), tokenizer)
+    pc.add_schema(BARE)
+    arena = pc.scheduler.arena
+    with pc.model_lock:
+        first, held, second = arena.allocate(3), arena.allocate(4), arena.allocate(2)
+        arena.release(first)
+        arena.release(second)
+        arena.poison_()
+    prompt = BARE_PROMPTS[1]
+    got = pc.generate(prompt, max_new_tokens=NEW_TOKENS)
+    moved = [b for b in arena.blocks.values() if isinstance(b.key, tuple)]
+    assert any(b.rows[0] < held[0] < b.rows[-1] for b in moved), "a moved block spans the held rows"
+    ref = pc.generate(prompt, mode="reference", max_new_tokens=NEW_TOKENS)
+    assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
+    assert got.token_ids == ref.token_ids
+    with pc.model_lock:
+        arena.release(held)

@@ -389,18 +389,17 @@ class Scheduler:
         their ``(first, stop, delta)`` shifts: RoPE keys turn by ``R(delta)`` (one gather-rotate),
         keys without position (ALiBi) are copied; the rows get their new positions."""
         rotation = self.engine.key_rotation()
-        delta = torch.zeros(len(block.rows), dtype=torch.long)
-        for first, stop, shift in shifts:
-            delta[first:stop] = shift
         table = []
         src = 0
         for start, stop in _ranges(block.rows):
-            run = delta[src:src + stop - start]
-            cut = [0] + [i for i in range(1, len(run)) if run[i] != run[i - 1]] + [len(run)]
-            for a, b in zip(cut, cut[1:]):
-                table.append((0, src + a, start + a, b - a, int(run[a])))
+            for first, last, shift in shifts:
+                a, b = max(first, src), min(last, src + stop - start)
+                if a < b:
+                    table.append((0, a, start + a - src, b - a, shift))
             src += stop - start
         rows = torch.tensor(table, dtype=torch.int64)
+        delta = torch.repeat_interleave(torch.tensor([s for _, _, s in shifts], dtype=torch.long),
+                                        torch.tensor([b - a for a, b, _ in shifts], dtype=torch.long))
         if rotation.kind == "rope":
             ops.gather_rotate(self.arena.data, [tensor], rows, rotation.inv_freq)
         else:

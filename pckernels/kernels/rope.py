@@ -271,7 +271,8 @@ def check_gather_rotate_args(out: torch.Tensor, blocks: list[torch.Tensor], tabl
 def gather_rotate_torch(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
                         inv_freq: torch.Tensor) -> None:
     """Torch path: per table entry one copy of the values and the keys' pass-through dims and the
-    rotated keys computed from the source straight into ``out`` (fp32 math)."""
+    rotated keys computed from the source straight into ``out`` (fp32 math; in fp32 without
+    temporaries: two multiplies and two fused multiply-adds into the destination)."""
     entries = table.tolist()
     check_table_host([e[:4] for e in entries], blocks, out.shape[3])
     half = inv_freq.shape[1]
@@ -294,6 +295,13 @@ def gather_rotate_torch(out: torch.Tensor, blocks: list[torch.Tensor], table: to
         k, ko = x[:, 0], o[:, 0]
         if r < D:
             ko[..., r:].copy_(k[..., r:])
+        if out.dtype == torch.float32:
+            x1, x2, o1, o2 = k[..., :half], k[..., half:r], ko[..., :half], ko[..., half:r]
+            torch.mul(x1, c, out=o1)
+            o1.addcmul_(x2, s, value=-1.0)
+            torch.mul(x2, c, out=o2)
+            o2.addcmul_(x1, s)
+            continue
         x1 = k[..., :half].float()
         x2 = k[..., half:r].float()
         ko[..., :half].copy_(x1 * c - x2 * s)

@@ -12,6 +12,9 @@ Text placement rule (uncached text is never dropped):
   and text placed earlier, and must end before the next imported token or placed text. If it
   does not fit, ``PMLError`` says how many positions are missing and how to declare room (a
   ``<param>`` buffer in the schema).
+
+``placement="compact"`` (on the prompt, or the schema's default) lays the prompt out contiguously
+in its order instead (``pckernels.pml.placement``); text between imports then needs no room.
 """
 
 from __future__ import annotations
