@@ -25,6 +25,7 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -94,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             copied(prompt)
             return cache.generate(prompt, max_new_tokens=1).ttft_s
 
-        cases = {"schema": lambda: copied(at_schema), "compact": lambda: copied(compact),
-                 "schema_resident": lambda: resident(at_schema), "compact_resident": lambda: resident(compact)}
+        cases = {"schema": partial(copied, at_schema), "compact": partial(copied, compact),
+                 "schema_resident": partial(resident, at_schema), "compact_resident": partial(resident, compact)}
         samples: dict[str, list[float]] = {k: [] for k in cases}
         for _ in range(args.rounds):
             for name, fn in cases.items():
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                "compact_over_schema": med["compact"] / med["schema"],
                "compact_over_schema_resident": med["compact_resident"] / med["schema_resident"],
                "samples_ms": {k: [1e3 * x for x in v] for k, v in samples.items()},
-               "breakdown_compact": profile(cache, lambda: copied(compact)),
-               "breakdown_schema": profile(cache, lambda: copied(at_schema)),
+               "breakdown_compact": profile(cache, partial(copied, compact)),
+               "breakdown_schema": profile(cache, partial(copied, at_schema)),
                "copy": copy_seconds(cache.layout, total // args.k, cache.dtype, cache.key_rotation().inv_freq, 15)}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.startswith("breakdown")}, indent=1), flush=True)

@@ -169,13 +169,14 @@ def summary(results: dict) -> str:
     if "compact" in results:
         c = results["compact"]
         lines += ["## Compact placement", "",
-                  f"- Triton kernels launched during generate() (gather_rotate, scatter_rows): "
-                  f"{c['kernels_launched']} — launches {c['launches']} ({c['moved_blocks']} moved blocks)",
-                  f"- compact vs reference: first-logit max-abs {c['compact_vs_reference_max_abs']:.3g}, greedy equal "
-                  f"{c['compact_greedy_equals_reference']} (the moved passage's context distance changed: not exact "
-                  "by design)",
-                  f"- every stale token recomputed vs reference: max-abs "
-                  f"{c['full_recompute_vs_reference_max_abs']:.3g}, greedy equal {c['full_recompute_equals_reference']}",
+                  (f"- Triton kernels launched during generate() (gather_rotate, scatter_rows): "
+                   f"{c['kernels_launched']} — launches {c['launches']} ({c['moved_blocks']} moved blocks)"),
+                  (f"- compact vs reference: first-logit max-abs {c['compact_vs_reference_max_abs']:.3g}, greedy equal "
+                   f"{c['compact_greedy_equals_reference']} (the moved passage's context distance changed: not exact "
+                   "by design)"),
+                  (f"- every stale token recomputed vs reference: max-abs "
+                   f"{c['full_recompute_vs_reference_max_abs']:.3g}, greedy equal "
+                   f"{c['full_recompute_equals_reference']}"),
                   ""]
     lines += ["## TTFT", "", *ttft_table(results["ttft"]["rows"]), "", "## Memory per token", "",
               f"computed {mem['computed_bytes_per_token'] / 1024:.1f} KiB, measured "

@@ -11,10 +11,12 @@ A tiny random Llama (GQA) with the embedded SmolLM2 tokenizer, as in ``test_engi
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
 import torch
+from test_engine import FP32_TOL, NEW_TOKENS, PROMPTS, SCHEMA, SHUFFLED, tiny_llama
 from transformers import DynamicCache
 
 from pckernels import PMLError
@@ -22,7 +24,6 @@ from pckernels.engine import PromptCache
 from pckernels.engine.plan import _moved_tokens, scaffold_variants, select_recompute, stale_tokens
 from pckernels.pml import parse_prompt, parse_schema
 from pckernels.pml.placement import encoded_positions, packed_shift
-from test_engine import FP32_TOL, NEW_TOKENS, PROMPTS, SCHEMA, SHUFFLED, tiny_llama
 
 OPEN = '<prompt schema="guide">'
 COMPACT = '<prompt schema="guide" placement="compact">'
@@ -70,7 +71,7 @@ def test_compact_layout_is_contiguous_in_prompt_order(tokenizer):
     assert firsts == ["", "fact-a", "fact-b", "plan", "plan/budget", "plan/food", "tokyo", "intro"]
     positions = got.position_ids
     assert positions[0] == 0 and list(positions) == sorted(positions)
-    holes = sum(b - a - 1 for a, b in zip(positions, positions[1:]))
+    holes = sum(b - a - 1 for a, b in itertools.pairwise(positions))
     unused = sum(p.length for m in ("plan", "plan/budget") for p in schema.modules[m].params) - sum(
         len(v) for (m, _), v in got.arguments.items() if m.startswith("plan"))
     assert holes == unused, "only the unused parameter room of a unit stays a gap"
@@ -273,7 +274,7 @@ def test_concurrent_compact_and_schema_requests(cache):
             for i in range(len(prompts)):
                 p = prompts[(i + offset) % len(prompts)]
                 assert cache.generate(p, max_new_tokens=3).token_ids == alone[p]
-        except BaseException as exc:  # collected for the main thread
+        except BaseException as exc:  # noqa: BLE001 (collected and reported by the main thread)
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k * 5,)) for k in range(3)]

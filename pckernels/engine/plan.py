@@ -87,9 +87,9 @@ def _moved_tokens(prompt: ResolvedPrompt, variants: dict[str, str]) -> set[Token
         shifts[name] = block_shifts(prompt, name, scaffold)
         firsts[name] = {}
     moved: set[TokenRef] = set()
-    for name in encoded:
+    for name, positions in encoded.items():
         scope = [m for m in module_scope(schema, name, variants.get(name, "")) if m in imported and m in encoded]
-        for index, (position, shift) in enumerate(zip(encoded[name], shifts[name])):
+        for index, (position, shift) in enumerate(zip(positions, shifts[name])):
             for other in scope:
                 first = firsts[other].get(shift)
                 if first is None:

@@ -342,7 +342,7 @@ if HAS_TRITON:
         dst_rows = l * so_l + kv * so_kv + h * so_h + (dst + r)[:, None] * so_n
         d = tl.arange(0, BLOCK_D)
         lo = half * 0
-        if HAS_ROT:
+        if HAS_ROT:  # noqa: SIM102 (a constexpr branch, compiled out; the key-plane test is at run time)
             if kv == 0:
                 lo = 2 * half
                 j = tl.arange(0, BLOCK_J)
