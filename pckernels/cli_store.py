@@ -62,7 +62,9 @@ def encode(schema: Path = typer.Argument(..., help="Schema file to encode."),
     except (OSError, ValueError) as exc:
         fail(exc)
     if remote is not None:
-        cache.store.share(cache.encoder.block_keys(parsed))
+        from pckernels.engine.core import geometries_for
+
+        cache.store.share(cache.encoder.block_keys(parsed, geometries_for(parsed)))
         cache.store.flush()
     seconds = time.perf_counter() - t0
     stats = cache.stats()

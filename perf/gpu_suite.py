@@ -2,7 +2,8 @@
 config on the device; no weight files, no hub, no tokenizer file — prompts use the word
 tokenizer of ``perf/suite/tokenizer.py``).
 
-1. Exactness: cached == reference (greedy tokens, first-logit max-abs) on both store tiers.
+1. Exactness: cached == reference (greedy tokens, first-logit max-abs) on both store tiers;
+   compact placement launches its Triton kernels in ``generate()`` (launch counters).
 2. TTFT at 1K–8K tokens, side by side: no reuse; Prompt Cache with blocks copied from the
    device tier; from the pinned-host tier (a second engine over the same model whose device
    budget is 0); blocks resident in the assembly buffer; the floor (uncached forward only).
@@ -85,6 +86,36 @@ def exactness(device_tier: PromptCache, host_tier: PromptCache, n_tokens: int, n
                                                                                     cached.first_logits)}
 
 
+def compact_check(engine: PromptCache, n_tokens: int, new_tokens: int = 8) -> dict:
+    """Compact placement in ``generate()``: the Triton kernels that must run do (launch counters:
+    the moved block's gather-rotate, the new rows' scatter), and the moved prompt with every stale
+    token recomputed equals the reference (full causal attention at the compact positions)."""
+    from pckernels import ops
+    from perf.suite.texts import archive, pml_escape, sized
+
+    each = max(8, n_tokens // 3)
+    docs = "".join(f'<module name="p{i}">{pml_escape(sized(engine.tokenizer, archive(500 + i), each))}\n</module>'
+                   for i in range(3))
+    engine.add_schema(f'<schema name="compact-check"><system>Answer from the passages.\n{docs}</system></schema>')
+    prompt = ('<prompt schema="compact-check" placement="compact"><p2/><p0/><user>Which goods were traded?</user>'
+              '<assistant/></prompt>')
+    engine.evict_resident()
+    ops.reset_launch_counts()
+    cached = engine.generate(prompt, max_new_tokens=new_tokens)
+    launches = ops.launch_counts()
+    oracle = engine.generate(prompt, max_new_tokens=new_tokens, mode="reference")
+    full = engine.generate(prompt, max_new_tokens=new_tokens, recompute=1.0)
+    full_oracle = engine.generate(prompt, max_new_tokens=new_tokens, mode="reference", recompute=1.0)
+    moved = sum(1 for ref in engine.request(prompt).plan.blocks if ref.shifts)
+    needed = ("gather_rotate", "scatter_rows") if engine.device.type == "cuda" else ()
+    return {"tokens": 2 * each, "moved_blocks": moved, "launches": launches,
+            "kernels_launched": all(launches.get(k, 0) > 0 for k in needed),
+            "compact_vs_reference_max_abs": float((cached.first_logits - oracle.first_logits).abs().max()),
+            "compact_greedy_equals_reference": cached.token_ids == oracle.token_ids,
+            "full_recompute_vs_reference_max_abs": float((full.first_logits - full_oracle.first_logits).abs().max()),
+            "full_recompute_equals_reference": full.token_ids == full_oracle.token_ids}
+
+
 def memory(device_tier: PromptCache, shape: dict) -> dict:
     layout = device_tier.layout
     keys = device_tier.store.keys()
@@ -134,10 +165,22 @@ def summary(results: dict) -> str:
              f"- cached == reference at {check['tokens']} tokens: {check['cached_equals_reference']} (first-logit "
              f"max-abs diff {check['first_logits_max_abs_diff']:.3g} on logits up to "
              f"{check['first_logits_scale']:.3g})",
-             f"- pinned-host tier == device tier (tokens and logits): {check['host_equals_device']}", "",
-             "## TTFT", "", *ttft_table(results["ttft"]["rows"]), "", "## Memory per token", "",
-             f"computed {mem['computed_bytes_per_token'] / 1024:.1f} KiB, measured "
-             f"{(mem['store_bytes_per_token'] or 0) / 1024:.1f} KiB ({mem['store_tokens']} tokens stored)", ""]
+             f"- pinned-host tier == device tier (tokens and logits): {check['host_equals_device']}", ""]
+    if "compact" in results:
+        c = results["compact"]
+        lines += ["## Compact placement", "",
+                  (f"- Triton kernels launched during generate() (gather_rotate, scatter_rows): "
+                   f"{c['kernels_launched']} — launches {c['launches']} ({c['moved_blocks']} moved blocks)"),
+                  (f"- compact vs reference: first-logit max-abs {c['compact_vs_reference_max_abs']:.3g}, greedy equal "
+                   f"{c['compact_greedy_equals_reference']} (the moved passage's context distance changed: not exact "
+                   "by design)"),
+                  (f"- every stale token recomputed vs reference: max-abs "
+                   f"{c['full_recompute_vs_reference_max_abs']:.3g}, greedy equal "
+                   f"{c['full_recompute_equals_reference']}"),
+                  ""]
+    lines += ["## TTFT", "", *ttft_table(results["ttft"]["rows"]), "", "## Memory per token", "",
+              f"computed {mem['computed_bytes_per_token'] / 1024:.1f} KiB, measured "
+              f"{(mem['store_bytes_per_token'] or 0) / 1024:.1f} KiB ({mem['store_tokens']} tokens stored)", ""]
     if "kernels" in results:
         lines += ["## Kernels (`perf/kernels/gpu_check.py`)", "", "```", results["kernels"]["output"].strip(), "```",
                   ""]
@@ -173,6 +216,8 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {"environment": environment(device_tier), "repeats": args.repeats, "shape": shape}
     print("exactness …", flush=True)
     results["exactness"] = exactness(device_tier, host_tier, lengths[0])
+    print("compact placement …", flush=True)
+    results["compact"] = compact_check(device_tier, lengths[0])
     config = SuiteConfig(name="gpu", repeats=args.repeats, lengths=lengths, experiments=["ttft"])
     bench = Bench(device_tier, config, Ticker())
     rows = []

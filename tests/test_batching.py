@@ -269,10 +269,10 @@ def test_a_failing_request_does_not_take_others_down(tokenizer, monkeypatch):  #
     pc.evict_resident()
     fetch = pc.fetch_block
 
-    def broken(schema, module, scaffold=""):
+    def broken(schema, module, scaffold="", geometry="schema"):
         if module == "tokyo":
             raise OSError("block store unreachable")
-        return fetch(schema, module, scaffold)
+        return fetch(schema, module, scaffold, geometry)
 
     monkeypatch.setattr(pc, "fetch_block", broken)
     with pc.model_lock:

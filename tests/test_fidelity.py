@@ -87,6 +87,48 @@ def test_scaffold_prompts_read_the_same_tokens():
         assert joint.scaffolds and not plain.scaffolds
 
 
+def test_held_out_set_sizes_and_answers_are_in_the_documents():
+    data = ds.load("heldout")
+    assert data.name == "heldout" and len(data.documents) == 16
+    kinds = [q.kind for q in data.questions]
+    assert kinds.count("single") == 48 and kinds.count("cross") == 16
+    assert sorted(data.library) == sorted(data.documents)
+    shipped = ds.load()
+    assert not set(data.documents) & set(shipped.documents)
+    for question in data.questions:
+        assert any(contains_answer(data.documents[question.docs[-1]].text, [a]) for a in question.answers), question.id
+
+
+@pytest.mark.parametrize("name", ["shipped", "heldout"])
+def test_library_prompts_import_the_documents_and_one_distractor_in_schema_order(name):
+    from pckernels.integration.embedded import load_tokenizer
+    from pckernels.pml import parse_prompt, parse_schema
+
+    data = ds.load(name)
+    schema = parse_schema(ds.library_schema(data), load_tokenizer())
+    for question in data.questions:
+        docs = ds.imported(data, question, "library")
+        assert len(docs) == len(question.docs) + 1 and set(question.docs) < set(docs)
+        assert list(docs) == sorted(docs, key=data.library.index)
+        plain = parse_prompt(ds.prompt(data, question, layout="library"), schema)
+        packed = parse_prompt(ds.prompt(data, question, layout="library", placement="compact"), schema)
+        assert plain.token_ids == packed.token_ids and plain.modules == packed.modules
+        assert packed.position_ids == tuple(range(len(packed.token_ids)))
+    assert len({ds.distractor(data, q) for q in data.questions}) > len(data.documents) // 2
+
+
+def test_conditions_by_name():
+    from perf.fidelity.runner import parse_condition
+
+    assert parse_condition("compact").placement == "compact"
+    assert parse_condition("independent").placement == "schema"
+    c = parse_condition("compact+epic@4")
+    assert (c.kind, c.placement, c.policy, c.share) == ("recompute", "compact", "epic", 4.0)
+    assert parse_condition("deviation@0.1").placement == "schema"
+    with pytest.raises(ValueError, match="unknown condition"):
+        parse_condition("compact+sometimes@3")
+
+
 def test_limit_spreads_questions_over_the_set():
     from perf.fidelity.runner import select_questions
 

@@ -15,6 +15,7 @@ from pckernels.kernels import HAS_TRITON, triton_runnable
 
 from test_ops import (
     GATHER_CASES,
+    GATHER_ROTATE_CASES,
     ROPE_CASES,
     SCATTER_CASES,
     check_cos_sin,
@@ -23,6 +24,7 @@ from test_ops import (
     opcheck_samples,
     randn,
     run_gather,
+    run_gather_rotate,
     run_scatter,
 )
 
@@ -63,6 +65,14 @@ def test_gather_concat_triton_device_table_and_max_rows(launches):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", GATHER_ROTATE_CASES, ids=lambda c: f"L{c[0]}H{c[1]}D{c[2]}R{2 * c[3]}")
+def test_gather_rotate_triton(dtype, case, launches):
+    run_gather_rotate(DEVICE, dtype, case, torch.int64, strided=dtype == torch.float16, backend="triton",
+                      zero_layer=0)
+    assert launches("gather_rotate") == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", SCATTER_CASES, ids=lambda c: f"B{c[0]}H{c[1]}D{c[3]}q{len(c[4])}")
 def test_scatter_rows_triton(dtype, case, launches):
     run_scatter(DEVICE, dtype, case, torch.int32 if dtype == torch.float16 else torch.int64,
@@ -96,7 +106,7 @@ def test_rerotate_triton(launches):
     assert launches("rope") == 1
 
 
-@pytest.mark.parametrize("i", range(7))
+@pytest.mark.parametrize("i", range(8))
 def test_registered_ops_run_triton(i, launches):
     """Each registered op, eagerly, with backend='triton', agrees with its torch path."""
     name, args = opcheck_samples(DEVICE)[i]
@@ -121,7 +131,7 @@ def test_registered_ops_run_triton(i, launches):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="opcheck of the Triton path needs compiled Triton (CUDA)")
-@pytest.mark.parametrize("i", range(7))
+@pytest.mark.parametrize("i", range(8))
 def test_opcheck_triton_cuda(i):
     from torch.library import opcheck
 

@@ -356,6 +356,96 @@ def test_rerotate_block_per_token_delta(device):
     assert_bits_equal(got[:, 1], block[:, 1])
 
 
+# ----------------------------------------------------------------------------- gather + rotate
+
+GATHER_ROTATE_CASES = [  # (L, H, D, half, block lengths, table rows (block, src, dst, n, delta))
+    (1, 1, 2, 1, [1], [(0, 0, 0, 1, 5)]),
+    (2, 1, 6, 2, [7, 33], [(1, 5, 0, 20, -17), (0, 0, 20, 7, 0), (1, 32, 30, 1, 4099)]),
+    (3, 2, 64, 32, [7, 1, 33], [(2, 0, 0, 33, 1000), (1, 0, 33, 1, -1), (0, 2, 36, 5, 3)]),
+    (2, 3, 80, 16, [33], [(0, 0, 40, 33, 77), (0, 10, 3, 2, -2000)]),
+]
+ROTATE_TOL = {torch.float32: 3e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def run_gather_rotate(device, dtype, case, table_dtype, strided, backend, zero_layer=None):
+    """NaN-poisoned ``out`` against :func:`ref.gather_rotate_ref`: values and non-rotary key dims
+    bit-exact, rotated dims within ``ROTATE_TOL``, unwritten rows still NaN. Layer ``zero_layer``
+    gets a zero ``inv_freq`` row, which must copy its keys bit-exactly."""
+    L, H, D, half, lens, rows = case
+    cap = max(d + n for _, _, d, n, _ in rows) + 5
+    blocks = []
+    for i, n in enumerate(lens):
+        b = randn(L, 2, H, n, D, dtype=dtype, device=device)
+        if strided and i % 2 == 0:
+            b = randn(L, 2, n, H, D, dtype=dtype, device=device).transpose(2, 3)
+        blocks.append(b)
+    inv = torch.stack([inv_freq_for(2 * half, 10000.0 * (1 + layer)) for layer in range(L)])
+    if zero_layer is not None:
+        inv[zero_layer] = 0
+    table = torch.tensor(rows, dtype=table_dtype).reshape(-1, 5)
+    out = nan_buffer(L, 2, H, cap, D, dtype=dtype, device=device, strided=strided)
+    expect = out.cpu().clone()
+    ref.gather_rotate_ref(expect, [b.cpu() for b in blocks], table, inv)
+    ops.gather_rotate(out, blocks, table, inv.to(device), backend=backend)
+    got = out.cpu()
+    assert_bits_equal(got[:, 1], expect[:, 1])
+    assert_bits_equal(got[:, 0, :, :, 2 * half:], expect[:, 0, :, :, 2 * half:])
+    rotary = (got[:, 0, :, :, :2 * half].float() - expect[:, 0, :, :, :2 * half].float()).nan_to_num(0.0)
+    assert rotary.abs().max().item() <= ROTATE_TOL[dtype]
+    assert torch.equal(got.isnan(), expect.isnan())
+    if zero_layer is not None:
+        assert_bits_equal(got[zero_layer], expect[zero_layer])
+    for b, src, dst, n, delta in rows:
+        if delta == 0 and n:
+            assert_bits_equal(got[:, :, :, dst:dst + n], blocks[b][:, :, :, src:src + n].cpu())
+    written = torch.zeros(cap, dtype=torch.bool)
+    for _, _, d, n, _ in rows:
+        written[d:d + n] = True
+    assert not got[:, :, :, written].isnan().any() and got[:, :, :, ~written].isnan().all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", GATHER_ROTATE_CASES, ids=lambda c: f"L{c[0]}H{c[1]}D{c[2]}R{2 * c[3]}")
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_gather_rotate(device, dtype, case, table_dtype):
+    run_gather_rotate(device, dtype, case, table_dtype, strided=table_dtype == torch.int32,
+                      backend=backend_for(device), zero_layer=case[0] - 1 if case[0] > 1 else None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_rotate_moves_keys_like_encoding_there(device):
+    """A block's keys rotated at p, gathered with delta d, equal the keys rotated at p + d."""
+    L, H, n, D = 2, 3, 9, 8
+    inv = torch.stack([inv_freq_for(D), inv_freq_for(D, 500000.0)])
+    raw = randn(L, 2, H, n, D, device=device)
+    p = torch.arange(40, 40 + n, device=device)
+    block = raw.clone()
+    for layer in range(L):
+        ops.rope_at_positions(block[layer, 0][None], p, inv[layer].to(device), backend="torch")
+    out = torch.zeros(L, 2, H, n + 2, D, device=device)
+    ops.gather_rotate(out, [block], torch.tensor([[0, 0, 2, n, 300]]), inv.to(device), backend=backend_for(device))
+    for layer in range(L):
+        direct = ops.rope_at_positions(raw[layer, 0][None].clone(), p + 300, inv[layer].to(device), backend="torch")
+        torch.testing.assert_close(out[layer, 0, :, 2:][None], direct, atol=2e-5, rtol=1e-5)
+    assert torch.equal(out[:, 1, :, 2:], raw[:, 1])
+
+
+def test_gather_rotate_rejects_bad_arguments():
+    out = torch.zeros(2, 2, 1, 8, 6)
+    blocks = [torch.zeros(2, 2, 1, 4, 6)]
+    inv = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"\[M, 5\]"):
+        ops.gather_rotate(out, blocks, torch.tensor([[0, 0, 0, 4]]), inv)
+    with pytest.raises(ValueError, match="inv_freq"):
+        ops.gather_rotate(out, blocks, torch.tensor([[0, 0, 0, 4, 1]]), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="inv_freq"):
+        ops.gather_rotate(out, blocks, torch.tensor([[0, 0, 0, 4, 1]]), torch.zeros(1, 3))
+    with pytest.raises(IndexError):
+        ops.gather_rotate(out, blocks, torch.tensor([[0, 2, 0, 4, 1]]), inv)
+    assert not out.any()
+
+
 # ----------------------------------------------------------------------------- opcheck / compile
 
 def opcheck_samples(device: str):
@@ -378,11 +468,13 @@ def opcheck_samples(device: str):
         ("rerotate_keys_", (x.clone(), torch.tensor(-3, device=device), inv)),
         ("apply_rotary_pos_emb", (q, k, cos.to(device), sin.to(device))),
         ("apply_rotary_pos_emb", (q, k, cos.to(device).requires_grad_(), sin.to(device).requires_grad_())),
+        ("gather_rotate", (out.clone(), blocks, torch.tensor([[0, 0, 0, 4, 7], [1, 1, 4, 2, -3]], device=device),
+                           torch.stack([inv, torch.zeros_like(inv)]), -1)),
     ]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("i", range(7))
+@pytest.mark.parametrize("i", range(8))
 def test_opcheck(device, i):
     name, args = opcheck_samples(device)[i]
     op = getattr(torch.ops.promptcache, name)

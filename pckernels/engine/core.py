@@ -21,8 +21,8 @@ import torch
 from pckernels.engine.deviation import DeviationScores
 from pckernels.engine.encoder import ModuleEncoder
 from pckernels.engine.options import check_load_options, resolve_device, resolve_dtype
-from pckernels.engine.plan import (RequestPlan, plan_request, plan_request_baseline, plan_request_reference,
-                                   select_recompute)
+from pckernels.engine.plan import (BlockRef, RequestPlan, plan_request, plan_request_baseline,
+                                   plan_request_reference, select_recompute)
 from pckernels.engine.request import PrefixPrefill, Request, RequestHandle, SamplingParams
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.scheduler import Scheduler
@@ -32,8 +32,9 @@ from pckernels.integration.native import MATMULS
 from pckernels.errors import PMLError, PMLPromptTooLongError
 from pckernels.integration.adapters import adapter_for
 from pckernels.integration.identity import model_fingerprint, weight_files
+from pckernels.integration.positions import KeyRotation, probe_key_rotation
 from pckernels.pml import check_answerable, parse_prompt, parse_schema
-from pckernels.pml.model import ResolvedPrompt, Schema
+from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
 from pckernels.program.core import ProgramCall
 from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir, parse_budgets
@@ -164,6 +165,7 @@ class PromptCache:
         self.eos_ids = eos_ids
         self.scheduler = Scheduler(self, max_bytes=default_kv_budget(self.device) if kv_bytes is None else kv_bytes,
                                    max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens)
+        self._rotation: KeyRotation | None = None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2", *, device: str | torch.device | None = None,
@@ -256,9 +258,12 @@ class PromptCache:
         previous = self.schemas_for(schema.salt, shared=False).get(schema.name)
         if previous is not None and previous.digest == schema.digest:
             return previous
+        if schema.placement == "compact":
+            self._check_movable(schema.location, f"schema {schema.name!r} asks for placement=\"compact\"")
         with self._install_lock:
             self.encoder.forget(schema.name, schema.salt)
-            self.encoder.encode_schema(schema, progress=progress, on_progress=on_progress)
+            self.encoder.encode_schema(schema, progress=progress, on_progress=on_progress,
+                                       geometries=geometries_for(schema))
         with self._schemas_lock:
             self._namespaces.setdefault(schema.salt, {})[schema.name] = schema
         return schema
@@ -289,19 +294,45 @@ class PromptCache:
         (another process of the fleet encoded them), into the host tier while it has room; returns
         how many. The server does this after installing a schema; a library caller about to query
         at once need not (the reads compete with the query's own)."""
-        return self.encoder.warm(schema)
+        return self.encoder.warm(schema, geometries_for(schema))
 
-    def block_key(self, schema: Schema, module: str, scaffold: str = "") -> BlockKey:
-        """The store key of ``module``'s block in ``schema`` (jointly encoded within ``scaffold``)."""
-        return self._block_keys(schema, module, scaffold)
+    def block_key(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> BlockKey:
+        """The store key of ``module``'s block in ``schema`` (jointly encoded within ``scaffold``;
+        ``geometry="packed"``: the encoding compact placement reads, ``pckernels.pml.placement``)."""
+        return self._block_keys(schema, module, scaffold, geometry)
 
-    def fetch_block(self, schema: Schema, module: str, scaffold: str = "") -> torch.Tensor:
+    def arena_key(self, schema: Schema, ref: BlockRef):
+        """What a block placed for ``ref`` is kept under in the arena: its store key, with the
+        shifts it was moved by when they are not zero (a moved block has other keys)."""
+        key = self.block_key(schema, ref.module, ref.scaffold, ref.geometry)
+        return (key, ref.shifts) if ref.shifts else key
+
+    def fetch_block(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> torch.Tensor:
         """A module's block ``[L, 2, H, n, D]`` from the store, encoded again if no tier holds it
         (call with the model lock held)."""
-        return self.encoder.fetch(schema, module, scaffold)
+        return self.encoder.fetch(schema, module, scaffold, geometry)
 
-    def block_positions(self, schema: Schema, module: str, key: BlockKey) -> torch.Tensor:
-        return self.encoder.positions(schema, module, key)
+    def block_positions(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> torch.Tensor:
+        """Positions ``[n]`` (device) the block of ``module`` was encoded at."""
+        key = self.block_key(schema, module, scaffold, geometry)
+        return self.encoder.positions(schema, module, key, geometry, scaffold)
+
+    def key_rotation(self) -> KeyRotation:
+        """How this model's cached keys move with their position (probed once, under the model
+        lock; :mod:`pckernels.integration.positions`)."""
+        if self._rotation is None:
+            with self.model_lock:
+                if self._rotation is None:
+                    self._rotation = probe_key_rotation(self.adapter)
+        return self._rotation
+
+    def _check_movable(self, location: tuple[int | None, int | None], what: str, label: str | None = None) -> None:
+        """A located ``PMLError`` when this model's blocks cannot be moved (compact placement)."""
+        rotation = self.key_rotation()
+        if not rotation.movable:
+            line, column = location
+            raise PMLError(f"{what}, but this model cannot move cached modules to other positions: "
+                           f"{rotation.reason}; use placement=\"schema\"", line=line, column=column, source=label)
 
     def prefetch_siblings(self, schema: Schema, modules: list[str]) -> None:
         """Stage the union siblings of ``modules`` (likely next) closer to the device."""
@@ -374,6 +405,9 @@ class PromptCache:
         params = _params(max_new_tokens, temperature, top_p, stop, seed)
         resolved = self.resolve(prompt, salt=salt)
         check_answerable(resolved, baseline=mode == "baseline")
+        if resolved.placement == "compact" and mode != "baseline":
+            self._check_movable(resolved.locations.get(ROOT, (None, None)), "the prompt is placed compactly",
+                                resolved.label)
         limit = self.max_positions
         last_pos = max(resolved.position_ids) if mode != "baseline" else len(resolved.token_ids) - 1
         if limit is not None and last_pos + 1 >= limit:
@@ -415,7 +449,8 @@ class PromptCache:
         ``recompute`` (cached and reference modes): the share of the imported modules' stale
         tokens (``plan.stale_tokens``) computed afresh in the prompt's forward, attending like
         uncached text, their new states replacing the cached ones; ``recompute_policy`` picks
-        them: ``"first"`` tokens of each module or highest ``"deviation"`` (``docs/fidelity.md``).
+        them: ``"first"`` tokens of each module or highest ``"deviation"`` (``docs/fidelity.md``);
+        ``"epic"`` takes ``recompute`` as a count: the first that many stale tokens of each module.
         ``deadline_s``: seconds after which the request fails with ``DeadlineExceeded``.
         """
         return self.submit(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, top_p=top_p,
@@ -490,6 +525,13 @@ class PromptCache:
         """Stop the scheduler (requests still waiting or running fail) and the store's loader."""
         self.scheduler.close()
         self.store.close()
+
+
+def geometries_for(schema: Schema) -> tuple[str, ...]:
+    """The encodings ``add_schema`` makes for ``schema``'s modules: packed ones when its prompts are
+    placed compactly by default, else schema ones (a prompt asking for the other encodes what it
+    reads on first use)."""
+    return ("packed",) if schema.placement == "compact" else ("schema",)
 
 
 def _params(max_new_tokens, temperature, top_p, stop, seed) -> SamplingParams:

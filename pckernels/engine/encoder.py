@@ -1,4 +1,5 @@
-"""Encoding modules once: each module's KV block at its schema positions, over its ancestors.
+"""Encoding modules once: each module's KV block at its schema positions, over its ancestors
+(or, for compact placement, *packed*: its unit right after the anonymous text before it).
 
 A module's tokens are read in one forward that attends, causally by position, to the module's
 ancestors' blocks (placed in a private assembly buffer) and to its own earlier tokens; a
@@ -21,7 +22,8 @@ import torch
 from pckernels import ops
 from pckernels.engine.buffer import AssemblyBuffer, BufferCache, Placement
 from pckernels.integration.adapters import KVLayout, ModelAdapter
-from pckernels.pml.model import Schema
+from pckernels.pml.model import ROOT, Schema
+from pckernels.pml.placement import encoded_positions, root_before, unit_span
 from pckernels.store import BlockKey, TieredStore
 
 log = logging.getLogger(__name__)
@@ -39,11 +41,23 @@ def units(schema: Schema) -> list[tuple[str, tuple[str, ...]]]:
     return out + [(s.name, s.members) for s in schema.scaffolds.values()]
 
 
+def geometry_units(schema: Schema, geometries: tuple[str, ...] = ("schema",)) -> list[tuple[str, tuple[str, ...], str]]:
+    """``(scaffold, members, geometry)`` for every unit in each of ``geometries``; the root is
+    only ever encoded at schema positions (packed blocks read it as their context)."""
+    out: list[tuple[str, tuple[str, ...], str]] = []
+    for geometry in geometries:
+        for scaffold, members in units(schema):
+            unit = (scaffold, members, "schema" if members[0] == ROOT else geometry)
+            if unit not in out:
+                out.append(unit)
+    return out
+
+
 class ModuleEncoder:
     """Encodes the modules of schemas into ``store`` under the keys ``block_key`` makes."""
 
     def __init__(self, adapter: ModelAdapter, store: TieredStore, layout: KVLayout, *, dtype: torch.dtype,
-                 device: torch.device, block_key: Callable[[Schema, str, str], BlockKey],
+                 device: torch.device, block_key: Callable[..., BlockKey],
                  lock: threading.RLock | None = None, run: Callable[[Callable], object] | None = None) -> None:
         self.adapter = adapter
         self.lock = lock if lock is not None else threading.RLock()
@@ -58,14 +72,17 @@ class ModuleEncoder:
 
     @torch.inference_mode()
     def encode_schema(self, schema: Schema, *, progress: bool = False,
-                      on_progress: Callable[[int, int], None] | None = None) -> None:
-        """Encode every cached module and scaffold of ``schema`` that no tier holds yet;
-        ``on_progress(done, total)`` is called before the first unit and after each one."""
-        todo = [u for u in units(schema) if self.block_key(schema, u[1][0], u[0]) not in self.store]
+                      on_progress: Callable[[int, int], None] | None = None,
+                      geometries: tuple[str, ...] = ("schema",)) -> None:
+        """Encode every cached module and scaffold of ``schema`` that no tier holds yet, in each of
+        ``geometries`` (``pckernels.pml.placement``); ``on_progress(done, total)`` is called before
+        the first unit and after each one."""
+        todo = [u for u in geometry_units(schema, geometries)
+                if self.block_key(schema, u[1][0], u[0], u[2]) not in self.store]
         if not todo:
             return
         t0 = time.perf_counter()
-        tokens = sum(len(schema.modules[m].token_ids) for _, members in todo for m in members)
+        tokens = sum(len(schema.modules[m].token_ids) for _, members, _ in todo for m in members)
         iterator = todo
         if progress:
             from rich.progress import track
@@ -73,13 +90,13 @@ class ModuleEncoder:
             iterator = track(todo, description=f"encoding {schema.name}", transient=True)
         if on_progress is not None:
             on_progress(0, len(todo))
-        for done, (scaffold, members) in enumerate(iterator, 1):
-            key = self.block_key(schema, members[0], scaffold)
+        for done, (scaffold, members, geometry) in enumerate(iterator, 1):
+            key = self.block_key(schema, members[0], scaffold, geometry)
             if self.store.claim(key) or not self.store.wait_for(key):
                 encoded = False
                 try:
-                    encoded = self.run(lambda: key not in self.store and self.encode_unit(schema, scaffold, members)
-                                       is not None)
+                    encoded = self.run(lambda: key not in self.store
+                                       and self.encode_unit(schema, scaffold, members, geometry) is not None)
                 finally:
                     if not encoded:
                         self.store.release(key)
@@ -92,24 +109,36 @@ class ModuleEncoder:
         with self.lock:
             return fn()
 
-    def warm(self, schema: Schema) -> int:
+    def warm(self, schema: Schema, geometries: tuple[str, ...] = ("schema",)) -> int:
         """Start loading, in the background, the blocks of ``schema`` that only the fleet's remote
         tier holds, so later queries find them in local memory; returns how many reads started."""
-        return self.store.warm(self.block_keys(schema))
+        return self.store.warm(self.block_keys(schema, geometries))
 
-    def block_keys(self, schema: Schema) -> list[BlockKey]:
-        """The store keys of every block of ``schema`` (each cached module, each scaffold member)."""
-        return [self.block_key(schema, member, scaffold) for scaffold, members in units(schema) for member in members]
+    def block_keys(self, schema: Schema, geometries: tuple[str, ...] = ("schema",)) -> list[BlockKey]:
+        """The store keys of every block of ``schema`` (each cached module, each scaffold member)
+        in each of ``geometries``."""
+        return [self.block_key(schema, member, scaffold, geometry)
+                for scaffold, members, geometry in geometry_units(schema, geometries) for member in members]
 
     @torch.inference_mode()
-    def encode_unit(self, schema: Schema, scaffold: str, members: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    def encode_unit(self, schema: Schema, scaffold: str, members: tuple[str, ...],
+                    geometry: str = "schema") -> dict[str, torch.Tensor]:
         """Encode ``members`` (one module, or a scaffold's members jointly) over their ancestors'
-        blocks, attending causally by position; store and return one block per member."""
+        blocks, attending causally by position, at the positions of ``geometry`` (packed: the unit
+        right after the anonymous text before it, which alone of the root's rows it sees); store
+        and return one block per member."""
         modules = schema.modules
-        context = [a for a in reversed(modules[members[0]].ancestors(modules))]
-        own = sorted(((p, t, m) for m in members for p, t in zip(modules[m].position_ids, modules[m].token_ids)))
+        geometry = "schema" if members[0] == ROOT else geometry
+        context = []
+        for ancestor in reversed(modules[members[0]].ancestors(modules)):
+            rows = len(modules[ancestor].token_ids)
+            if ancestor == ROOT and geometry == "packed":
+                rows = root_before(schema, unit_span(schema, members[0], scaffold)[0])
+            context.append((ancestor, "schema" if ancestor == ROOT else geometry, rows))
+        own = sorted((p, t, m) for m in members
+                     for p, t in zip(encoded_positions(schema, m, geometry, scaffold), modules[m].token_ids))
         buf = self.buffer
-        ctx_rows = sum(len(modules[a].token_ids) for a in context)
+        ctx_rows = sum(rows for _, _, rows in context)
         total = ctx_rows + len(own)
         buf.ensure_capacity(total)
         self._place_context(schema, context)
@@ -129,55 +158,57 @@ class ModuleEncoder:
             rows = [offset + i for i, (_, _, m) in enumerate(own) if m == member]
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
             block = buf.data.index_select(3, index) if n else buf.data[:, :, :, :0].clone()
-            self.store.put(self.block_key(schema, member, scaffold), block)
+            self.store.put(self.block_key(schema, member, scaffold, geometry), block)
             encoded[member] = block
         sync(self.device)
         self.store.record_encode(len(members), time.perf_counter() - t0)
         return encoded
 
-    def _place_context(self, schema: Schema, modules: list[str]) -> None:
-        """Put the ancestors' blocks in consecutive rows from 0 with one gather-concat over the
-        row ranges that do not already hold them; set their positions. Blocks no tier holds are
-        encoded first (which uses this buffer and may displace rows, hence the loop)."""
+    def _place_context(self, schema: Schema, context: list[tuple[str, str, int]]) -> None:
+        """Put the first ``rows`` rows of each ``(module, geometry, rows)`` block in consecutive
+        rows from 0 with one gather-concat over the row ranges that do not already hold them; set
+        their positions. Blocks no tier holds are encoded first (which uses this buffer and may
+        displace rows, hence the loop)."""
         buf = self.buffer
         placements, row = [], 0
-        for module in modules:
-            key = self.block_key(schema, module, "")
-            placements.append(Placement(key, 0, row, key.tokens))
-            row += key.tokens
+        for module, geometry, rows in context:
+            placements.append(Placement(self.block_key(schema, module, "", geometry), 0, row, rows))
+            row += rows
         fetched: dict[BlockKey, torch.Tensor] = {}
-        while lacking := [(m, p.key) for m, p in zip(modules, placements)
+        while lacking := [(c, p.key) for c, p in zip(context, placements)
                           if p.n_rows and p.key not in fetched and buf.missing(p)]:
-            for module, key in lacking:
-                fetched[key] = self.fetch(schema, module, "")
+            for (module, geometry, _), key in lacking:
+                fetched[key] = self.fetch(schema, module, "", geometry)
         sources: list[torch.Tensor] = []
         table: list[tuple[int, int, int, int]] = []
-        for module, placement in zip(modules, placements):
+        for (module, geometry, rows), placement in zip(context, placements):
             gaps = buf.missing(placement) if placement.n_rows else []
             if gaps:
                 sources.append(fetched[placement.key])
                 table.extend((len(sources) - 1, g.src_row, g.dst_row, g.n_rows) for g in gaps)
                 buf.row_pos[placement.dst_row:placement.dst_row + placement.n_rows] = self.positions(
-                    schema, module, placement.key)
+                    schema, module, placement.key, geometry)[:rows]
                 buf.mark_resident(placement)
         if table:
             ops.gather_concat(buf.data, sources, torch.tensor(table, dtype=torch.int64))
 
-    def fetch(self, schema: Schema, module: str, scaffold: str) -> torch.Tensor:
+    def fetch(self, schema: Schema, module: str, scaffold: str, geometry: str = "schema") -> torch.Tensor:
         """The block ``[L, 2, H, n, D]`` from the store, re-encoded (its whole scaffold) if no tier holds it."""
-        block = self.store.get(self.block_key(schema, module, scaffold))
+        block = self.store.get(self.block_key(schema, module, scaffold, geometry))
         if block is None:
             members = schema.scaffolds[scaffold].members if scaffold else (module,)
-            block = self.encode_unit(schema, scaffold, members)[module]
+            block = self.encode_unit(schema, scaffold, members, geometry)[module]
         return block
 
-    def positions(self, schema: Schema, module: str, key: BlockKey) -> torch.Tensor:
-        """Schema positions ``[n]`` of a block's rows (on the device, made once per key; kept for
-        the current version of each schema name only)."""
+    def positions(self, schema: Schema, module: str, key: BlockKey, geometry: str = "schema",
+                  scaffold: str = "") -> torch.Tensor:
+        """Positions ``[n]`` a block's rows were encoded at (on the device, made once per key; kept
+        for the current version of each schema name only)."""
         memo = self._positions.setdefault((schema.salt, schema.name), {})
         positions = memo.get(key)
         if positions is None:
-            positions = torch.tensor(schema.modules[module].position_ids, dtype=torch.long, device=self.device)
+            positions = torch.tensor(encoded_positions(schema, module, geometry, scaffold), dtype=torch.long,
+                                     device=self.device)
             memo[key] = positions
         return positions
 

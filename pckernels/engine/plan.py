@@ -11,6 +11,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from pckernels.pml.model import ResolvedPrompt, Schema
+from pckernels.pml.placement import encoded_positions
 
 
 def scaffold_variants(prompt: ResolvedPrompt) -> dict[str, str]:
@@ -35,22 +36,82 @@ def module_scope(schema: Schema, module: str, scaffold: str = "") -> frozenset[s
 TokenRef = tuple[str, int]
 """A module's own token: ``(module, index into Module.token_ids)``."""
 
-RECOMPUTE_POLICIES = ("first", "deviation")
+RECOMPUTE_POLICIES = ("first", "deviation", "epic")
 
 
-def _own_index(schema: Schema, module: str) -> dict[int, int]:
-    """``position -> index`` of a module's own tokens."""
-    return {p: i for i, p in enumerate(schema.modules[module].position_ids)}
+def _own_index(prompt: ResolvedPrompt, module: str) -> dict[int, int]:
+    """``position -> index`` of a module's own tokens where ``prompt`` places them."""
+    return {p: i for i, p in enumerate(prompt.own_positions(module))}
+
+
+def block_shifts(prompt: ResolvedPrompt, module: str, scaffold: str = "") -> list[int]:
+    """Per own token of ``module``: its position in ``prompt`` minus the position it was encoded
+    at (in the encoding the prompt reads it from); all 0 at schema placement."""
+    if prompt.placement == "schema":
+        return [0] * len(prompt.schema.modules[module].token_ids)
+    encoded = encoded_positions(prompt.schema, module, prompt.geometry_of(module), scaffold)
+    return [p - e for p, e in zip(prompt.own_positions(module), encoded)]
+
+
+def shift_runs(shifts: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """Runs ``(first, stop, shift)`` of equal shifts over own-token indices; ``()`` when all are 0."""
+    if not any(shifts):
+        return ()
+    runs: list[tuple[int, int, int]] = []
+    for i, shift in enumerate(shifts):
+        if runs and runs[-1][2] == shift:
+            runs[-1] = (runs[-1][0], i + 1, shift)
+        else:
+            runs.append((i, i + 1, shift))
+    return tuple(runs)
+
+
+def _moved_tokens(prompt: ResolvedPrompt, variants: dict[str, str]) -> set[TokenRef]:
+    """Cached tokens whose encoding context sits at another distance in ``prompt``: some token of
+    their scope they attended while encoded (at an earlier-or-equal encoded position) moved by a
+    different shift. A module moved whole keeps its own and its ancestors-within-the-unit's
+    distances (re-rotation is exact for them); the anonymous text before it may not."""
+    if prompt.placement == "schema":
+        return set()
+    schema = prompt.schema
+    imported = set(prompt.modules)
+    firsts: dict[str, dict[int, int]] = {}
+    """module -> shift -> the earliest encoded position of its tokens moved by another shift."""
+    encoded: dict[str, tuple[int, ...]] = {}
+    shifts: dict[str, list[int]] = {}
+    for name in prompt.modules:
+        if not schema.modules[name].cached:
+            continue
+        scaffold = variants.get(name, "")
+        encoded[name] = encoded_positions(schema, name, prompt.geometry_of(name), scaffold)
+        shifts[name] = block_shifts(prompt, name, scaffold)
+        firsts[name] = {}
+    moved: set[TokenRef] = set()
+    for name, positions in encoded.items():
+        scope = [m for m in module_scope(schema, name, variants.get(name, "")) if m in imported and m in encoded]
+        for index, (position, shift) in enumerate(zip(positions, shifts[name])):
+            for other in scope:
+                first = firsts[other].get(shift)
+                if first is None:
+                    first = min((e for e, s in zip(encoded[other], shifts[other]) if s != shift), default=None)
+                    firsts[other][shift] = first if first is not None else -1
+                    first = firsts[other][shift]
+                if 0 <= first <= position:
+                    moved.add((name, index))
+                    break
+    return moved
 
 
 def stale_tokens(prompt: ResolvedPrompt) -> list[TokenRef]:
     """Cached tokens of ``prompt`` whose states differ from what full causal attention over the
     prompt would give, in position order: a token is stale when an earlier live token of the
-    prompt lies outside its encoding scope, or an earlier token in its scope is stale. The others
+    prompt lies outside its encoding scope, or an earlier token in its scope is stale, or (compact
+    placement) a token of its scope it was encoded against moved by another distance. The others
     (the system prompt, the first module after it) are already exact; recomputing them changes
     nothing. Parameter placeholders are never live, so never stale."""
     schema = prompt.schema
     variants = scaffold_variants(prompt)
+    moved = _moved_tokens(prompt, variants)
     seen: set[str | None] = set()
     stale_owners: set[str] = set()
     stale: list[TokenRef] = []
@@ -61,10 +122,11 @@ def stale_tokens(prompt: ResolvedPrompt) -> list[TokenRef]:
             seen.add(None)
             continue
         scope = module_scope(schema, seg.module, variants.get(seg.module, ""))
-        index = _own_index(schema, seg.module)
+        index = _own_index(prompt, seg.module)
         for position in seg.position_ids:
-            if not seen <= scope or stale_owners & scope:
-                stale.append((seg.module, index[position]))
+            ref = (seg.module, index[position])
+            if not seen <= scope or stale_owners & scope or ref in moved:
+                stale.append(ref)
                 stale_owners.add(seg.module)
             seen.add(seg.module)
     return stale
@@ -72,25 +134,32 @@ def stale_tokens(prompt: ResolvedPrompt) -> list[TokenRef]:
 
 def select_recompute(prompt: ResolvedPrompt, share: float, policy: str = "first",
                      scores: Callable[[], Mapping[str, Sequence[float]]] | None = None) -> frozenset[TokenRef]:
-    """The ``share`` (0 to 1) of the prompt's stale tokens to compute afresh.
+    """The prompt's stale tokens to compute afresh: a ``share`` (0 to 1) of them, or with
+    ``epic`` ``share`` tokens per module.
 
     ``first``: the first ``ceil(share * n)`` stale tokens of each module (``n`` its stale
     tokens). ``deviation``: the ``ceil(share * N)`` stale tokens of the whole prompt with the
     highest ``scores()[module][index]`` (earlier positions win ties); ``scores`` is called only
-    when that policy needs it.
+    when that policy needs it. ``epic`` (EPIC's recompute of each chunk's opening): the first
+    ``k = share`` stale tokens of each placed module, an integer count whatever the module's size.
     """
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"recompute must be a share between 0 and 1, got {share}")
     if policy not in RECOMPUTE_POLICIES:
         raise ValueError(f"unknown recompute policy {policy!r}; expected one of {', '.join(RECOMPUTE_POLICIES)}")
+    if policy == "epic":
+        if share < 0 or share != int(share):
+            raise ValueError(f"recompute with the epic policy is a count of tokens per module (an integer >= 0), "
+                             f"got {share}")
+    elif not 0.0 <= share <= 1.0:
+        raise ValueError(f"recompute must be a share between 0 and 1, got {share}")
     stale = stale_tokens(prompt) if share else []
     if not stale:
         return frozenset()
-    if policy == "first":
+    if policy in ("first", "epic"):
         by_module: dict[str, list[TokenRef]] = {}
         for ref in stale:
             by_module.setdefault(ref[0], []).append(ref)
-        return frozenset(ref for refs in by_module.values() for ref in refs[:_share_count(share, len(refs))])
+        count = (lambda n: min(n, int(share))) if policy == "epic" else (lambda n: _share_count(share, n))
+        return frozenset(ref for refs in by_module.values() for ref in refs[:count(len(refs))])
     if scores is None:
         raise ValueError("the deviation policy needs per-token deviation scores")
     table = scores()
@@ -135,7 +204,7 @@ def plan_reference(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = froz
     recomputed_modules = {module for module, _ in recompute}
     for seg in prompt.segments:
         if seg.kind == "cached" and seg.module in recomputed_modules:
-            own = _own_index(schema, seg.module)
+            own = _own_index(prompt, seg.module)
             for token, position in zip(seg.token_ids, seg.position_ids):
                 fresh = (seg.module, own[position]) in recompute
                 tokens.append(token)
@@ -168,12 +237,17 @@ def plan_reference(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = froz
 class BlockRef:
     """An imported module's block as one request uses it: ``hidden`` lists the block rows (own
     token indices) the request must not see — parameter slots, whose arguments it computes in
-    rows of its own, and recomputed tokens, whose fresh states replace the cached ones."""
+    rows of its own, and recomputed tokens, whose fresh states replace the cached ones.
+    ``geometry``: which encoding of the block (``"schema"`` or ``"packed"``); ``shifts``: runs
+    ``(first, stop, delta)`` of own-token indices moved by ``delta`` positions from where they were
+    encoded (compact placement; ``()``: none move)."""
 
     module: str
     scaffold: str
     n_rows: int
     hidden: tuple[int, ...] = ()
+    geometry: str = "schema"
+    shifts: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass
@@ -196,8 +270,8 @@ class RequestPlan:
 
 def plan_request(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozenset()) -> RequestPlan:
     """The shared-block plan of ``prompt`` in cached mode: each imported cached module's block is
-    placed as encoded (slots and recomputed tokens hidden for this request); arguments, text and
-    recomputed tokens are new tokens at their schema positions. Attention by position over the
+    placed as encoded, or moved where a compact prompt puts it (slots and recomputed tokens hidden
+    for this request); arguments, text and recomputed tokens are new tokens at their positions. Attention by position over the
     visible rows then gives what :func:`plan_cached` gives with private rows."""
     schema = prompt.schema
     variants = scaffold_variants(prompt)
@@ -214,7 +288,9 @@ def plan_request(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozen
         for param in module.params:
             hidden.update(range(param.offset, param.offset + param.length))
         n = len(module.token_ids)
-        blocks.append(BlockRef(name, variants.get(name, ""), n, tuple(sorted(hidden))))
+        scaffold = variants.get(name, "")
+        blocks.append(BlockRef(name, scaffold, n, tuple(sorted(hidden)), prompt.geometry_of(name),
+                               shift_runs(block_shifts(prompt, name, scaffold))))
         cached_tokens += n - len(hidden)
     tokens: list[int] = []
     positions: list[int] = []
@@ -223,7 +299,7 @@ def plan_request(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozen
             tokens.extend(seg.token_ids)
             positions.extend(seg.position_ids)
         elif seg.kind == "cached" and seg.module in recomputed:
-            index = _own_index(schema, seg.module)
+            index = _own_index(prompt, seg.module)
             for token, position in zip(seg.token_ids, seg.position_ids):
                 if index[position] in recomputed[seg.module]:
                     tokens.append(token)

@@ -343,7 +343,7 @@ class Scheduler:
         rows = self._own_rows(request)
         if request.plan is not None:
             for ref in request.plan.blocks:
-                block = self.arena.block(self.engine.block_key(request.schema, ref.module, ref.scaffold))
+                block = self.arena.block(self.engine.arena_key(request.schema, ref))
                 if block is None or block.refs == 0:
                     rows += ref.n_rows
         return rows
@@ -398,7 +398,7 @@ class Scheduler:
             for ref in plan.blocks:
                 if ref.n_rows == 0:
                     continue
-                key = self.engine.block_key(request.schema, ref.module, ref.scaffold)
+                key = self.engine.arena_key(request.schema, ref)
                 block = self.arena.block(key) or self._place(request.schema, ref, key)
                 self.arena.acquire(block)
                 active.block_keys.append(key)
@@ -421,18 +421,47 @@ class Scheduler:
         return active
 
     def _place(self, schema, ref, key):
-        """Copy one module block from the store (encoding it if no tier holds it) into new rows."""
-        tensor = self.engine.fetch_block(schema, ref.module, ref.scaffold)
+        """Copy one module block from the store (encoding it if no tier holds it) into new rows;
+        a moved block (``ref.shifts``) has its keys re-rotated on the way (one gather-rotate)."""
+        tensor = self.engine.fetch_block(schema, ref.module, ref.scaffold, ref.geometry)
         block = self.arena.add_block(key, ref.n_rows)
+        positions = self.engine.block_positions(schema, ref.module, ref.scaffold, ref.geometry)
+        if ref.shifts:
+            self._place_moved(tensor, block, positions, ref.shifts)
+        else:
+            table = []
+            src = 0
+            for start, stop in _ranges(block.rows):
+                table.append((0, src, start, stop - start))
+                src += stop - start
+            ops.gather_concat(self.arena.data, [tensor], torch.tensor(table, dtype=torch.int64))
+            self.arena.row_pos[block.index] = positions
+        self.counters["blocks_placed"] += 1
+        return block
+
+    def _place_moved(self, tensor: torch.Tensor, block, positions: torch.Tensor,
+                     shifts: tuple[tuple[int, int, int], ...]) -> None:
+        """Rows of ``tensor [L, 2, H, n, D]`` into ``block``'s arena rows, own-token runs moved by
+        their ``(first, stop, delta)`` shifts: RoPE keys turn by ``R(delta)`` (one gather-rotate),
+        keys without position (ALiBi) are copied; the rows get their new positions."""
+        rotation = self.engine.key_rotation()
         table = []
         src = 0
         for start, stop in _ranges(block.rows):
-            table.append((0, src, start, stop - start))
+            for first, last, shift in shifts:
+                a, b = max(first, src), min(last, src + stop - start)
+                if a < b:
+                    table.append((0, a, start + a - src, b - a, shift))
             src += stop - start
-        ops.gather_concat(self.arena.data, [tensor], torch.tensor(table, dtype=torch.int64))
-        self.arena.row_pos[block.index] = self.engine.block_positions(schema, ref.module, key)
-        self.counters["blocks_placed"] += 1
-        return block
+        rows = torch.tensor(table, dtype=torch.int64)
+        delta = torch.repeat_interleave(torch.tensor([s for _, _, s in shifts], dtype=torch.long),
+                                        torch.tensor([b - a for a, b, _ in shifts], dtype=torch.long))
+        if rotation.kind == "rope":
+            ops.gather_rotate(self.arena.data, [tensor], rows, rotation.inv_freq)
+        else:
+            ops.gather_concat(self.arena.data, [tensor], rows[:, :4].contiguous())
+        self.arena.row_pos[block.index] = positions + delta.to(positions.device)
+        self.counters["blocks_moved"] += 1
 
     def _start_prefix(self, handle: RequestHandle, generator, stopper) -> _Active | None:
         """Prefill a plain prompt exactly through the engine's prefix cache (alone), straight into a

@@ -64,3 +64,18 @@ def rerotate_keys_ref(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tens
     """Keys already rotated at p, ``k [B, H, n, D]``, moved to p + delta: apply R(delta), no scaling."""
     delta = delta.expand(k.shape[-2]) if delta.dim() == 0 else delta
     return rope_at_positions_ref(k, delta, inv_freq, 1.0)
+
+
+def gather_rotate_ref(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
+                      inv_freq: torch.Tensor) -> None:
+    """Row by row: gather-concat's copy for each entry ``(b, src, dst, n, delta)`` of ``table``,
+    then layer ``l``'s keys of the copied rows rotated by ``delta`` with ``inv_freq [L, half]``."""
+    for b, src, dst, n, delta in table.tolist():
+        for i in range(n):
+            out[:, :, :, dst + i] = blocks[b][:, :, :, src + i]
+        if not n or not inv_freq.shape[1]:
+            continue
+        for layer in range(out.shape[0]):
+            keys = out[layer, 0, :, dst:dst + n][None]
+            moved = rerotate_keys_ref(keys, torch.tensor(delta), inv_freq[layer])
+            out[layer, 0, :, dst:dst + n] = moved[0]

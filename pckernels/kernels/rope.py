@@ -14,6 +14,12 @@ to the output dtype. Re-rotating cached keys by a position delta is the same ker
 One launch handles two tensors (q and k, with different head counts); each program owns a
 block of ``BLOCK_S`` positions of one batch entry and ``HPP`` heads, so cos/sin are computed
 once per program and reused across its heads.
+
+**Gather + rotate** (``gather_rotate``): gather-concat's copy of row ranges of cached KV blocks
+into the assembly buffer / arena, with each range's keys re-rotated by its own position delta on
+the way, one launch for every range, layer, head, K and V. Layer ``l`` rotates with its own
+``inv_freq[l]`` (models mix RoPE bases per layer, or leave layers unrotated: a zero row is the
+identity, bit for bit); values and the non-rotary dims of keys are copied bit-exactly.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from pckernels.kernels._common import HAS_TRITON, INTERPRET, as_bits, count_launch, next_pow2, tl, triton
+from pckernels.kernels.gather_concat import _meta_table, check_table_host
 
 try:
     from triton.language.extra import libdevice
@@ -241,3 +248,157 @@ def rope_cos_sin_triton(
 ) -> None:
     """Triton path of HF's ``apply_rotary_pos_emb``: q and k in one launch."""
     _launch_rope([(q, q_out), (k, k_out)], cos.shape[-1] // 2, cos=cos, sin=sin, launch=launch)
+
+
+def check_gather_rotate_args(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
+                             inv_freq: torch.Tensor) -> None:
+    """Checks that need no device sync: ``out [L, 2, H, cap, D]`` fp32/fp16/bf16, blocks
+    ``[L, 2, H, n_b, D]`` like it, ``table [M, 5]`` integer ``(block, src_row, dst_row, n_rows,
+    delta)``, ``inv_freq [L, half]`` float32 with ``2 * half <= D``."""
+    from pckernels.kernels.gather_concat import check_gather_args
+
+    if table.dim() != 2 or table.shape[1] != 5 or table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"table must be an int32/int64 [M, 5] tensor, got {table.dtype} {tuple(table.shape)}")
+    check_gather_args(out, blocks, table[:, :4])
+    if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"out must be fp32/fp16/bf16, got {out.dtype}")
+    L, D = out.shape[0], out.shape[4]
+    if inv_freq.dim() != 2 or inv_freq.shape[0] != L or 2 * inv_freq.shape[1] > D or inv_freq.dtype != torch.float32:
+        raise ValueError(f"inv_freq must be float32 [{L}, half] with 2 * half <= {D}, got {inv_freq.dtype} "
+                         f"{tuple(inv_freq.shape)}")
+
+
+def gather_rotate_torch(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
+                        inv_freq: torch.Tensor) -> None:
+    """Torch path: per table entry one copy of the values and the keys' pass-through dims and the
+    rotated keys computed from the source straight into ``out`` (fp32 math; in fp32 without
+    temporaries: two multiplies and two fused multiply-adds into the destination)."""
+    entries = table.tolist()
+    check_table_host([e[:4] for e in entries], blocks, out.shape[3])
+    half = inv_freq.shape[1]
+    r = 2 * half
+    D = out.shape[4]
+    trig: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for b, src, dst, n, delta in entries:
+        if not n:
+            continue
+        o = out[:, :, :, dst:dst + n]
+        x = blocks[b][:, :, :, src:src + n]
+        if not delta or not half:
+            o.copy_(x)
+            continue
+        o[:, 1].copy_(x[:, 1])
+        if delta not in trig:
+            ang = float(delta) * inv_freq.to(device=out.device, dtype=torch.float32)
+            trig[delta] = ang.cos()[:, None, None], ang.sin()[:, None, None]
+        c, s = trig[delta]
+        k, ko = x[:, 0], o[:, 0]
+        if r < D:
+            ko[..., r:].copy_(k[..., r:])
+        if out.dtype == torch.float32:
+            x1, x2, o1, o2 = k[..., :half], k[..., half:r], ko[..., :half], ko[..., half:r]
+            torch.mul(x1, c, out=o1)
+            o1.addcmul_(x2, s, value=-1.0)
+            torch.mul(x2, c, out=o2)
+            o2.addcmul_(x1, s)
+            continue
+        x1 = k[..., :half].float()
+        x2 = k[..., half:r].float()
+        ko[..., :half].copy_(x1 * c - x2 * s)
+        ko[..., half:r].copy_(x2 * c + x1 * s)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gather_rotate_kernel(
+        out_ptr, bits_ptr, meta_ptr, table_ptr, inv_ptr, H, D, half,
+        so_l, so_kv, so_h, so_n, so_d, si_l,
+        HAS_ROT: tl.constexpr, PRECISE: tl.constexpr, ROUND_BF16: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, META_W: tl.constexpr,
+    ):
+        chunk = tl.program_id(0)
+        m = tl.program_id(1)
+        plane = tl.program_id(2)
+        row = table_ptr + m * 5
+        blk = tl.load(row).to(tl.int64)
+        src = tl.load(row + 1).to(tl.int64)
+        dst = tl.load(row + 2).to(tl.int64)
+        n = tl.load(row + 3).to(tl.int64)
+        delta = tl.load(row + 4).to(tl.float32)
+        l = (plane // (2 * H)).to(tl.int64)
+        kv = (plane // H) % 2
+        h = (plane % H).to(tl.int64)
+        meta = meta_ptr + blk * META_W
+        base = tl.load(meta).to(tl.pointer_type(out_ptr.dtype.element_ty))
+        s_l = tl.load(meta + 1)
+        s_kv = tl.load(meta + 2)
+        s_h = tl.load(meta + 3)
+        s_n = tl.load(meta + 4)
+        s_d = tl.load(meta + 5)
+        r = chunk.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mr = r < n
+        src_rows = base + l * s_l + kv * s_kv + h * s_h + (src + r)[:, None] * s_n
+        dst_rows = l * so_l + kv * so_kv + h * so_h + (dst + r)[:, None] * so_n
+        d = tl.arange(0, BLOCK_D)
+        lo = half * 0
+        if HAS_ROT:  # noqa: SIM102 (a constexpr branch, compiled out; the key-plane test is at run time)
+            if kv == 0:
+                lo = 2 * half
+                j = tl.arange(0, BLOCK_J)
+                mj = j < half
+                f = tl.load(inv_ptr + l * si_l + j, mask=mj, other=0.0)
+                ang = delta * f
+                if PRECISE:
+                    c = libdevice.cos(ang)[None, :]
+                    s = libdevice.sin(ang)[None, :]
+                else:
+                    c = tl.cos(ang)[None, :]
+                    s = tl.sin(ang)[None, :]
+                mrj = mr[:, None] & mj[None, :]
+                x1 = tl.load(src_rows + j[None, :] * s_d, mask=mrj, other=0.0).to(tl.float32)
+                x2 = tl.load(src_rows + (j + half)[None, :] * s_d, mask=mrj, other=0.0).to(tl.float32)
+                o1 = dst_rows + j[None, :] * so_d
+                o2 = dst_rows + (j + half)[None, :] * so_d
+                if ROUND_BF16:
+                    _store_rounded(bits_ptr + o1, x1 * c - x2 * s, mrj, True)
+                    _store_rounded(bits_ptr + o2, x2 * c + x1 * s, mrj, True)
+                else:
+                    _store_rounded(out_ptr + o1, x1 * c - x2 * s, mrj, False)
+                    _store_rounded(out_ptr + o2, x2 * c + x1 * s, mrj, False)
+        mask = mr[:, None] & ((d >= lo) & (d < D))[None, :]
+        vals = tl.load(src_rows + d[None, :] * s_d, mask=mask)
+        tl.store(out_ptr + dst_rows + d[None, :] * so_d, vals, mask=mask)
+
+
+def gather_rotate_triton(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
+                         inv_freq: torch.Tensor, max_rows: int = -1) -> None:
+    """Triton path: one launch for the whole table (``max_rows`` as in gather-concat's)."""
+    if not blocks or table.shape[0] == 0:
+        return
+    L, _, H, cap, D = out.shape
+    if table.device.type == "cpu":
+        mr = check_table_host([e[:4] for e in table.tolist()], blocks, cap)
+        max_rows = mr if max_rows < 0 else max_rows
+        table = table.to(out.device, non_blocking=True)
+    elif max_rows < 0:
+        max_rows = cap
+    if max_rows == 0:
+        return
+    table = table.contiguous()
+    inv = inv_freq.to(out.device).contiguous()
+    half = inv.shape[1]
+    meta = _meta_table(blocks, out.device)
+    round_bf16 = INTERPRET and out.dtype == torch.bfloat16
+    bits = as_bits(out) if round_bf16 else out
+    block_d = next_pow2(D)
+    block_r = min(next_pow2(max_rows), max(1, 4096 // block_d))
+    grid = (triton.cdiv(max_rows, block_r), table.shape[0], L * 2 * H)
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"gather-rotate grid {grid} exceeds CUDA limits (table entries or L*2*H > 65535)")
+    count_launch("gather_rotate")
+    _gather_rotate_kernel[grid](
+        out, bits, meta, table, inv, H, D, half, *out.stride(), max(half, 1),
+        HAS_ROT=half > 0, PRECISE=_PRECISE_TRIG, ROUND_BF16=round_bf16,
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_J=next_pow2(half), META_W=6,
+    )

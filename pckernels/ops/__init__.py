@@ -21,6 +21,7 @@ Tensor = torch.Tensor
 __all__ = [
     "apply_rotary_pos_emb",
     "gather_concat",
+    "gather_rotate",
     "launch_counts",
     "linear",
     "reset_launch_counts",
@@ -52,6 +53,26 @@ def gather_concat(out: Tensor, blocks: list[Tensor], table: Tensor, *, max_rows:
         torch.ops.promptcache.gather_concat(out, list(blocks), table, mr, b)
     else:
         _lib.gather_concat_impl(out, list(blocks), table, mr, b)
+
+
+def gather_rotate(out: Tensor, blocks: list[Tensor], table: Tensor, inv_freq: Tensor, *,
+                  max_rows: int | None = None, backend: str | None = None) -> None:
+    """Gather-concat with re-rotation: copy row ranges of cached KV blocks into ``out`` and move
+    their keys to new positions on the way, in place, one launch.
+
+    ``out [L, 2, H, cap, D]``; ``blocks[b] [L, 2, H, n_b, D]``; ``table [M, 5]`` int32/int64 rows
+    ``(block, src_row, dst_row, n_rows, delta)``: ``out[..., dst:dst+n, :] = blocks[block][...,
+    src:src+n, :]`` with the keys of layer ``l`` then rotated by ``R(delta)`` over the first
+    ``2 * half`` dims with ``inv_freq [L, half]`` (float32; rotate-half, no attention scaling: the
+    keys already carry it). A zero ``inv_freq`` row (a layer without RoPE) or ``delta = 0`` copies
+    bit-exactly, as do values and the keys' other dims. Table rules as in :func:`gather_concat`.
+    """
+    mr = -1 if max_rows is None else int(max_rows)
+    b = resolve_backend(backend)
+    if _use_op():
+        torch.ops.promptcache.gather_rotate(out, list(blocks), table, inv_freq, mr, b)
+    else:
+        _lib.gather_rotate_impl(out, list(blocks), table, inv_freq, mr, b)
 
 
 def scatter_rows(k_out: Tensor, v_out: Tensor, k: Tensor, v: Tensor, rows: Tensor, *,

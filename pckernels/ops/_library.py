@@ -31,6 +31,17 @@ def gather_concat_impl(out: Tensor, blocks: list[Tensor], table: Tensor, max_row
         _g.gather_concat_torch(out, blocks, table)
 
 
+def gather_rotate_impl(out: Tensor, blocks: list[Tensor], table: Tensor, inv_freq: Tensor, max_rows: int = -1,
+                       backend: str = "auto") -> None:
+    """``out [L, 2, H, cap, D]`` <- rows of ``blocks[b]`` per ``table [M, 5]`` entry ``(b, src, dst, n,
+    delta)``, keys re-rotated by ``delta`` with layer ``l``'s ``inv_freq [L, half]``."""
+    _r.check_gather_rotate_args(out, blocks, table, inv_freq)
+    if use_triton(out.device, backend):
+        _r.gather_rotate_triton(out, blocks, table, inv_freq, max_rows)
+    else:
+        _r.gather_rotate_torch(out, blocks, table, inv_freq)
+
+
 def scatter_rows_impl(k_out: Tensor, v_out: Tensor, k: Tensor, v: Tensor, rows: Tensor,
                       backend: str = "auto", launch=None) -> None:
     """``k_out[:, :, rows[i]] = k[:, :, i]`` and the same for v; ``[B, H, cap|q, D]``, ``rows [q]``."""
@@ -102,6 +113,18 @@ def gather_concat_op(out: Tensor, blocks: list[Tensor], table: Tensor, max_rows:
 
 @gather_concat_op.register_fake
 def _gather_concat_fake(out, blocks, table, max_rows=-1, backend="auto") -> None:
+    return None
+
+
+@custom_op("promptcache::gather_rotate", mutates_args={"out"})
+def gather_rotate_op(out: Tensor, blocks: list[Tensor], table: Tensor, inv_freq: Tensor, max_rows: int = -1,
+                     backend: str = "auto") -> None:
+    """Registered :func:`gather_rotate_impl` (opaque like gather-concat: its kernel reads raw addresses)."""
+    gather_rotate_impl(out, blocks, table, inv_freq, max_rows, backend)
+
+
+@gather_rotate_op.register_fake
+def _gather_rotate_fake(out, blocks, table, inv_freq, max_rows=-1, backend="auto") -> None:
     return None
 
 

@@ -37,6 +37,14 @@ def attributes(source: Source, element: etree._Element, allowed: tuple[str, ...]
     return values
 
 
+def check_placement(source: Source, element: etree._Element, value: str) -> str:
+    """``value`` of a ``placement=`` attribute if it is ``schema`` or ``compact``, else a located ``PMLError``."""
+    if value not in ("schema", "compact"):
+        raise source.error(f"placement={value!r} is not a placement; expected 'schema' (modules at their schema "
+                           "positions) or 'compact' (modules laid out contiguously in the prompt's order)", element)
+    return value
+
+
 def check_name(source: Source, element: etree._Element, name: str, what: str) -> str:
     """Return ``name`` if it follows the name rule, else raise a located ``PMLError``."""
     if not is_valid_name(name):

@@ -125,6 +125,11 @@ class Schema:
     salt: str = ""
     """Namespace of the cache keys of this schema's blocks (a server's tenant salt; "" in the
     library): the same text under two salts shares nothing."""
+    placement: str = "schema"
+    """Where its prompts place imported modules unless they say otherwise (``placement=``):
+    ``"schema"`` or ``"compact"`` (``pckernels.pml.placement``)."""
+    location: tuple[int | None, int | None] = (None, None)
+    """``(line, column)`` of the ``<schema>`` tag, to locate errors about the schema as a whole."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,21 @@ class ResolvedPrompt:
     source: str | None = None
     locations: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
     label: str | None = None
+    placement: str = "schema"
+    """``"schema"``: every token at its schema position; ``"compact"``: laid out contiguously in
+    the prompt's order (``pckernels.pml.placement``), then ``module_positions`` and ``geometry``
+    say where each imported module's own tokens sit and which encoding of its block it reads."""
+    module_positions: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    geometry: dict[str, str] = field(default_factory=dict)
+
+    def own_positions(self, module: str) -> tuple[int, ...]:
+        """Prompt positions of ``module``'s own tokens (slots included): its schema positions
+        unless the prompt is laid out compactly."""
+        return self.module_positions.get(module) or self.schema.modules[module].position_ids
+
+    def geometry_of(self, module: str) -> str:
+        """The encoding of ``module``'s block this prompt reads: ``"schema"`` or ``"packed"``."""
+        return self.geometry.get(module, "schema")
 
     def live_segments(self) -> tuple[Segment, ...]:
         """Segments whose tokens make up the prompt as the model reads it (no slots)."""

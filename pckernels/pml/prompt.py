@@ -12,6 +12,9 @@ Text placement rule (uncached text is never dropped):
   and text placed earlier, and must end before the next imported token or placed text. If it
   does not fit, ``PMLError`` says how many positions are missing and how to declare room (a
   ``<param>`` buffer in the schema).
+
+``placement="compact"`` (on the prompt, or the schema's default) lays the prompt out contiguously
+in its order instead (``pckernels.pml.placement``); text between imports then needs no room.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from pckernels.pml.document import Limits, Source, TextPart, is_valid_name, loca
 from pckernels.pml.elements import (
     ROLE_TAGS,
     attributes,
+    check_placement,
     is_empty,
     space_mode,
     text_offset,
     text_runs,
 )
 from pckernels.pml.model import ROOT, Module, ResolvedPrompt, Schema, Segment
+from pckernels.pml.placement import Layout, compact_layout
 from pckernels.pml.roles import role_format
 from pckernels.pml.tokens import encode_batch
 
@@ -397,7 +402,7 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
     if local_tag(root) != "prompt":
         raise source.error(f"a prompt must start with <prompt schema=\"…\">, not <{root.tag}>",
                            root)
-    values = attributes(source, root, ("schema",), ("schema",))
+    values = attributes(source, root, ("schema", "placement"), ("schema",))
     if isinstance(schemas, Schema):
         schemas = {schemas.name: schemas}
     schema = schemas.get(values["schema"])
@@ -410,6 +415,7 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
         error.schema = name
         raise error
 
+    placement = check_placement(source, root, values.get("placement", schema.placement))
     reader = _PromptReader(source, schema)
     reader.read()
     imported_set = set(reader.explicit) | reader.implicit | {ROOT}
@@ -445,14 +451,32 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
                                "shorten it or raise len in the schema", node.element)
         arguments[(target, key)] = ids
 
+    scaffolds = tuple(name for name, scaffold in schema.scaffolds.items()
+                      if all(m in imported_set for m in scaffold.members))
+    module_segments = [seg for name in imported for seg in _module_segments(schema.modules[name], arguments)]
+    extra: dict[str, Any] = {}
+    if placement == "compact":
+        layout = _compact(source, schema, imported, scaffolds, module_segments, reader.stream, imports, limits)
+        segments = layout.segments
+        extra = {"placement": "compact", "module_positions": layout.positions, "geometry": layout.geometry}
+    else:
+        segments = _place_text(source, schema, imported, reader.stream, limits) + module_segments
+        segments.sort(key=lambda s: (s.position_ids[0], s.kind == "argument"))
+    return ResolvedPrompt(schema=schema, modules=tuple(imported), scaffolds=scaffolds,
+                          arguments=arguments, segments=tuple(segments), source=source.text,
+                          locations=_locations(source, imports), label=label, **extra)
+
+
+def _place_text(source: Source, schema: Schema, imported: list[str], stream: list[Any],
+                limits: Limits) -> list[Segment]:
+    """Text segments at schema placement (see the module docstring)."""
     placer = _Placer(source, schema, imported, limits)
-    last_import = max((i for i, item in enumerate(reader.stream) if isinstance(item, _Import)),
-                      default=-1)
+    last_import = max((i for i, item in enumerate(stream) if isinstance(item, _Import)), default=-1)
     cursor = 0
     trailing = schema.length
     previous: str | None = None
     done = {ROOT}
-    for index, item in enumerate(reader.stream):
+    for index, item in enumerate(stream):
         if isinstance(item, _Import):
             cursor = item.end
             previous = item.label
@@ -464,19 +488,40 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
         elif index > last_import:
             trailing = placer.place_trailing(item, trailing)
         else:
-            following = next(i.label for i in reader.stream[index + 1:] if isinstance(i, _Import))
+            following = next(i.label for i in stream[index + 1:] if isinstance(i, _Import))
             cursor = placer.place(item, cursor, done, previous, following)
             previous = "the text"
+    return list(placer.segments)
 
-    segments = list(placer.segments)
-    for name in imported:
-        segments.extend(_module_segments(schema.modules[name], arguments))
-    segments.sort(key=lambda s: (s.position_ids[0], s.kind == "argument"))
-    scaffolds = tuple(name for name, scaffold in schema.scaffolds.items()
-                      if all(m in imported_set for m in scaffold.members))
-    return ResolvedPrompt(schema=schema, modules=tuple(imported), scaffolds=scaffolds,
-                          arguments=arguments, segments=tuple(segments), source=source.text,
-                          locations=_locations(source, imports), label=label)
+
+def _compact(source: Source, schema: Schema, imported: list[str], scaffolds: tuple[str, ...],
+             module_segments: list[Segment], stream: list[Any], imports: list[_Import], limits: Limits) -> Layout:
+    """The compact layout (``pckernels.pml.placement``); text before or between imports needs no
+    room in the schema here: it follows the import written before it."""
+    order = [m for node in imports for m in (*node.implied, *node.modules)]
+    last_import = max((i for i, item in enumerate(stream) if isinstance(item, _Import)), default=-1)
+    texts: list[tuple[str | None, Segment]] = []
+    trailing: list[Segment] = []
+    after: str | None = None
+    last_offset: int | None = None
+    for index, item in enumerate(stream):
+        if isinstance(item, _Import):
+            after = item.modules[0]
+        elif item.ids:
+            segment = Segment("text", item.ids, ())
+            if index > last_import:
+                trailing.append(segment)
+            else:
+                texts.append((after, segment))
+            last_offset = item.offset
+    layout = compact_layout(schema, imported, list(scaffolds), module_segments, texts, trailing, order)
+    model_limit = schema.max_positions
+    for limit, what in ((model_limit, f"the model's limit of {model_limit} positions"),
+                        (limits.max_positions, f"{limits.max_positions} (Limits.max_positions)")):
+        if limit is not None and layout.end > limit:
+            raise source.error(f"the prompt laid out compactly ends at position {layout.end}, past {what}; "
+                               "shorten the text or import fewer modules", offset=last_offset)
+    return layout
 
 
 def _locations(source: Source, imports: list[_Import]) -> dict[str, tuple[int | None, int | None]]:

@@ -23,6 +23,7 @@ from pckernels.pml.elements import (
     XML_WHITESPACE,
     attributes,
     check_name,
+    check_placement,
     is_empty,
     space_mode,
     text_offset,
@@ -150,6 +151,7 @@ class _SchemaReader:
         self.unions: dict[str, _UnionDecl] = {}
         self.scaffolds: dict[str, _ScaffoldDecl] = {}
         self.top_names: dict[str, str] = {}
+        self.placement = "schema"
         self._roles = None
 
     def error(self, message: str, element: Any = None, offset: int | None = None) -> PMLError:
@@ -160,8 +162,9 @@ class _SchemaReader:
         if local_tag(root) != "schema":
             raise self.error(f"a schema document must start with <schema name=\"…\">, "
                              f"not <{root.tag}>", root)
-        values = attributes(self.source, root, ("name",), ("name",))
+        values = attributes(self.source, root, ("name", "placement"), ("name",))
         name = check_name(self.source, root, values["name"], "schema")
+        self.placement = check_placement(self.source, root, values.get("placement", "schema"))
         scope = _ModuleDecl(ROOT, None, None, root)
         self._fill(scope, root, preserve=space_mode(self.source, root, False),
                    in_role=False, in_scaffold=False)
@@ -690,4 +693,5 @@ def parse_schema(text: str | bytes, tokenizer: Any, *, base_dir: str | os.PathLi
     return Schema(name=name, modules=layout.modules, layout=tuple(layout.entries),
                   scaffolds=scaffolds, length=length, digest=digest.hexdigest(),
                   placeholder_token_id=layout.placeholder, tokenizer=tokenizer,
-                  source=source.text, unions=unions, max_positions=max_positions)
+                  source=source.text, unions=unions, max_positions=max_positions,
+                  placement=reader.placement, location=source.location(source.element_offset(source.root) or 0))

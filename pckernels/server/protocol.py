@@ -83,8 +83,9 @@ class _Sampling(BaseModel):
     pml: str | None = None
     timeout_s: float | None = Field(default=None, gt=0.0)
     cache: bool = True
-    recompute: float = Field(default=0.0, ge=0.0, le=1.0)
-    recompute_policy: Literal["first", "deviation"] = "first"
+    recompute: float = Field(default=0.0, ge=0.0)
+    """A share (0 to 1), or with ``recompute_policy="epic"`` tokens per module (the engine checks)."""
+    recompute_policy: Literal["first", "deviation", "epic"] = "first"
 
     def check_supported(self) -> None:
         if self.n != 1:

@@ -10,6 +10,11 @@ so a module's key changes when (and only when) its own content, its position, or
 content changes. Module, schema and scaffold names are not part of the key: they are carried
 along (not compared) for logs and listings. Editing one module therefore leaves the keys of
 modules outside its subtree (and layout) untouched.
+
+A *packed* block (``geometry="packed"``, read by compact placement: ``pckernels.pml.placement``) is
+encoded with its unit right after the anonymous text before it. Its key hashes that text (tokens
+and positions) instead of the root's key, and no schema offset, so the same module after the same
+text in two schemas is one block.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pckernels.pml.model import Schema
+from pckernels.pml.model import ROOT, Schema
+from pckernels.pml.placement import encoded_positions, root_before, unit_span
 
 FORMAT_VERSION = 1
 """Bump when the block layout ``[L, 2, H, n, D]`` or the encoding procedure changes."""
@@ -48,12 +54,14 @@ class BlockKey:
     tokens: int = field(default=0, compare=False)
     shape: tuple[int | None, ...] | None = field(default=None, compare=False)
     dtype: torch.dtype | None = field(default=None, compare=False)
+    geometry: str = field(default="schema", compare=False)
 
     @property
     def label(self) -> str:
         """``schema:module`` (``@scaffold`` when encoded jointly); the root is ``(root)``."""
         name = f"{self.schema}:{self.module or '(root)'}"
-        return f"{name}@{self.scaffold}" if self.scaffold else name
+        name = f"{name}@{self.scaffold}" if self.scaffold else name
+        return f"{name}+packed" if self.geometry == "packed" else name
 
     def describe(self) -> dict[str, str]:
         """The descriptive fields as strings (stored in file metadata)."""
@@ -87,19 +95,19 @@ class BlockKeys:
                                    "device": device_kind}, sort_keys=True)
         self.model_name = model_name
         self.memo_schemas = memo_schemas
-        self._memo: OrderedDict[str, tuple[str, dict[tuple[str, str], BlockKey]]] = OrderedDict()
+        self._memo: OrderedDict[str, tuple[str, dict[tuple[str, str, str], BlockKey]]] = OrderedDict()
         self._lock = threading.RLock()
         """schema digest -> (schema name, (module, scaffold) -> key), most recently used last."""
 
-    def __call__(self, schema: Schema, module: str, scaffold: str = "") -> BlockKey:
+    def __call__(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> BlockKey:
         with self._lock:
-            return self._key(schema, module, scaffold)
+            return self._key(schema, module, scaffold, "schema" if module == ROOT else geometry)
 
-    def _key(self, schema: Schema, module: str, scaffold: str) -> BlockKey:
+    def _key(self, schema: Schema, module: str, scaffold: str, geometry: str = "schema") -> BlockKey:
         memo = self._memo_of(schema)
-        key = memo.get((module, scaffold))
+        key = memo.get((module, scaffold, geometry))
         if key is None:
-            key = memo[(module, scaffold)] = self._make(schema, module, scaffold)
+            key = memo[(module, scaffold, geometry)] = self._make(schema, module, scaffold, geometry)
         return key
 
     def memoized(self) -> dict[str, int]:
@@ -121,16 +129,19 @@ class BlockKeys:
         self._memo[version] = (name, keys)
         return keys
 
-    def _make(self, schema: Schema, module: str, scaffold: str) -> BlockKey:
+    def _make(self, schema: Schema, module: str, scaffold: str, geometry: str = "schema") -> BlockKey:
         mod = schema.modules[module]
-        parent = self._key(schema, mod.parent, "").digest if mod.parent is not None else ""
-        scope: dict[str, object] = {"parent": parent, "own": _content(mod.token_ids, mod.position_ids)}
-        if schema.salt:
-            scope["salt"] = schema.salt
-        if scaffold:
-            peers = [schema.modules[m] for m in schema.scaffolds[scaffold].members if m != module]
-            peers.sort(key=lambda m: (m.position_ids[:1], m.token_ids))
-            scope["peers"] = [_content(m.token_ids, m.position_ids) for m in peers]
+        if geometry == "packed":
+            scope = self._packed_scope(schema, module, scaffold)
+        else:
+            parent = self._key(schema, mod.parent, "").digest if mod.parent is not None else ""
+            scope = {"parent": parent, "own": _content(mod.token_ids, mod.position_ids)}
+            if schema.salt:
+                scope["salt"] = schema.salt
+            if scaffold:
+                peers = [schema.modules[m] for m in schema.scaffolds[scaffold].members if m != module]
+                peers.sort(key=lambda m: (m.position_ids[:1], m.token_ids))
+                scope["peers"] = [_content(m.token_ids, m.position_ids) for m in peers]
         h = hashlib.sha256(self._prefix.encode())
         h.update(json.dumps(scope, separators=(",", ":")).encode())
         n = len(mod.token_ids)
@@ -139,4 +150,25 @@ class BlockKeys:
             layers, heads, head_dim = self.layout
             shape = (layers, 2, heads, n, head_dim)
         return BlockKey(h.hexdigest(), model=self.model_name, schema=schema.name, module=module,
-                        scaffold=scaffold, tokens=n, shape=shape, dtype=self.dtype)
+                        scaffold=scaffold, tokens=n, shape=shape, dtype=self.dtype, geometry=geometry)
+
+    def _packed_scope(self, schema: Schema, module: str, scaffold: str) -> dict[str, object]:
+        """What a packed block depends on: the anonymous text before its unit (tokens and
+        positions), its parent's packed block, its own tokens and its scaffold peers' at their
+        packed positions — never where the unit sits in the schema."""
+        mod = schema.modules[module]
+        scope: dict[str, object] = {"geometry": "packed",
+                                    "own": _content(mod.token_ids, encoded_positions(schema, module, "packed", scaffold))}
+        if mod.parent not in (None, ROOT):
+            scope["parent"] = self._key(schema, mod.parent, "", "packed").digest
+        else:
+            root = schema.modules[ROOT]
+            count = root_before(schema, unit_span(schema, module, scaffold)[0])
+            scope["context"] = _content(root.token_ids[:count], root.position_ids[:count])
+        if scaffold:
+            peers = [m for m in schema.scaffolds[scaffold].members if m != module]
+            scope["peers"] = sorted(_content(schema.modules[m].token_ids,
+                                             encoded_positions(schema, m, "packed", scaffold)) for m in peers)
+        if schema.salt:
+            scope["salt"] = schema.salt
+        return scope

@@ -8,7 +8,14 @@ Every question is answered under each condition on the same prompt tokens:
 * ``independent``: Prompt Cache, each document encoded on its own (the paper);
 * ``scaffold`` (cross-document questions): the two documents the question needs encoded jointly;
 * ``first@s`` / ``deviation@s``: independent modules with a share ``s`` of the stale module
-  tokens recomputed over the assembled cache (``PromptCache.generate(recompute=...)``).
+  tokens recomputed over the assembled cache (``PromptCache.generate(recompute=...)``);
+  ``epic@k``: the first ``k`` stale tokens of every module (EPIC);
+* ``compact``, ``compact+<policy>@<amount>``: the same at compact placement (modules laid out
+  contiguously, keys re-rotated: ``docs/pml.md``); ``schema+...`` names schema placement.
+
+``--data heldout`` reads the held-out set (``heldout/``), ``--layout library`` one schema of every
+document with each question importing its documents and a distractor (``dataset.py``);
+``--conditions`` lists the conditions to run by name.
 
 Scores per condition and question kind: exact match, token F1, answer recall ("contains"),
 greedy agreement with baseline (identical generated tokens), first-token agreement, mean KL
@@ -34,6 +41,8 @@ from perf.fidelity.scoring import contains_answer, exact_match, first_token_kl, 
 RESULTS_ROOT = Path(__file__).resolve().parents[1] / "results"
 DEFAULT_SHARES = (0.1, 0.25, 0.5, 1.0)
 DEFAULT_POLICIES = ("first", "deviation")
+ALL_POLICIES = ("first", "deviation", "epic")
+LAYOUTS = ("bundle", "library")
 KINDS = ("single", "cross")
 
 
@@ -44,9 +53,26 @@ class Condition:
     """``baseline``, ``prefix``, ``independent``, ``scaffold`` or ``recompute``."""
     share: float = 0.0
     policy: str = ""
+    placement: str = "schema"
 
-    def applies_to(self, question: ds.Question) -> bool:
-        return self.kind != "scaffold" or question.kind == "cross"
+    def applies_to(self, question: ds.Question, layout: str = "bundle") -> bool:
+        return self.kind != "scaffold" or (question.kind == "cross" and layout == "bundle")
+
+
+def parse_condition(name: str) -> Condition:
+    """A condition from its name: ``baseline``, ``prefix``, ``scaffold``, ``independent`` (or
+    ``schema``), ``compact``, and ``[schema+|compact+]<policy>@<amount>`` (``first@0.1``,
+    ``compact+epic@4``)."""
+    if name in ("baseline", "prefix", "scaffold"):
+        return Condition(name, name)
+    if name in ("independent", "schema", "compact"):
+        return Condition(name, "independent", placement="compact" if name == "compact" else "schema")
+    placement, _, rest = name.rpartition("+")
+    policy, _, amount = rest.partition("@")
+    if placement not in ("", "schema", "compact") or policy not in ALL_POLICIES or not amount:
+        raise ValueError(f"unknown condition {name!r}: expected baseline, prefix, scaffold, independent, compact or "
+                         f"[schema+|compact+]<{'|'.join(ALL_POLICIES)}>@<amount>")
+    return Condition(name, "recompute", float(amount), policy, placement or "schema")
 
 
 def conditions(shares: tuple[float, ...], policies: tuple[str, ...]) -> list[Condition]:
@@ -108,9 +134,15 @@ def evaluate(args: argparse.Namespace, checkpoint=None) -> dict:
     from pckernels.prefix import PrefixCache
 
     torch.set_num_threads(args.threads)
-    data = ds.load()
+    data = ds.load(getattr(args, "data", None) or "shipped")
+    layout = getattr(args, "layout", None) or "bundle"
     questions = select_questions(data, args.limit)
-    conds = conditions(tuple(args.shares), tuple(args.policies))
+    named = getattr(args, "conditions", None)
+    conds = ([parse_condition(n) for n in named] if named
+             else conditions(tuple(args.shares), tuple(args.policies)))
+    if conds[0].kind != "baseline":
+        conds.insert(0, Condition("baseline", "baseline"))
+    placements = sorted({c.placement for c in conds if c.kind in ("independent", "recompute")} | {"schema"})
     stop = ["\n", ". "]
     t0 = time.perf_counter()
     cache = PromptCache.from_pretrained(args.model, store_dir=False, device_budget="8GiB")
@@ -129,10 +161,25 @@ def evaluate(args: argparse.Namespace, checkpoint=None) -> dict:
         setup.setdefault(schema.name, time.perf_counter() - t0)
 
     needs_deviation = any(c.policy == "deviation" for c in conds)
-    add_schema(ds.bundle_schema(data, data.bundle_of(questions[0])), needs_deviation)
-    warm = ds.prompt(data, questions[0])
-    for mode in ("baseline", "cached"):
-        cache.generate(warm, mode=mode, max_new_tokens=2)
+
+    def add_question_schemas(question: ds.Question) -> None:
+        if layout == "library":
+            add_schema(ds.library_schema(data), needs_deviation)
+            return
+        add_schema(ds.bundle_schema(data, data.bundle_of(question)), needs_deviation)
+        if question.kind == "cross" and any(c.kind == "scaffold" for c in conds):
+            add_schema(ds.bundle_schema(data, data.bundle_of(question), question.docs))
+
+    add_question_schemas(questions[0])
+    if "compact" in placements:
+        t1 = time.perf_counter()
+        for name, schema in list(cache.schemas.items()):
+            cache.encoder.encode_schema(schema, geometries=("packed",))
+            setup[name] = setup.get(name, 0.0) + time.perf_counter() - t1
+    for placement in placements:
+        warm = ds.prompt(data, questions[0], layout=layout, placement=placement)
+        for mode in ("baseline", "cached"):
+            cache.generate(warm, mode=mode, max_new_tokens=2)
 
     def report(done: int) -> dict:
         return {
@@ -140,6 +187,7 @@ def evaluate(args: argparse.Namespace, checkpoint=None) -> dict:
                          "questions": done, "planned_questions": len(questions), "limit": args.limit,
                          "max_new_tokens": args.max_new_tokens, "shares": list(args.shares),
                          "policies": list(args.policies), "stop": stop, "torch": torch.__version__,
+                         "data": data.name, "layout": layout, "conditions": [c.name for c in conds],
                          "python": platform.python_version()},
             "setup_s": setup,
             "summary": summarize(records, conds),
@@ -148,20 +196,22 @@ def evaluate(args: argparse.Namespace, checkpoint=None) -> dict:
 
     records: list[Record] = []
     for number, question in enumerate(questions, 1):
-        add_schema(ds.bundle_schema(data, data.bundle_of(question)), needs_deviation)
-        if question.kind == "cross":
-            add_schema(ds.bundle_schema(data, data.bundle_of(question), question.docs))
-        resolved = cache.resolve(ds.prompt(data, question))
+        add_question_schemas(question)
+        resolved = {p: cache.resolve(ds.prompt(data, question, layout=layout, placement=p)) for p in placements}
+        if any(r.token_ids != resolved["schema"].token_ids for r in resolved.values()):
+            raise RuntimeError(f"{question.id}: the placements read different tokens")
+        info = question_info(data, question, resolved["schema"], layout)
         base_result = None
         for cond in conds:
-            if not cond.applies_to(question):
+            if not cond.applies_to(question, layout):
                 continue
             result = _generate(cache, prefix, data, question, resolved, cond, args.max_new_tokens, stop)
-            if cond.kind == "scaffold" and result.prompt_token_ids != list(resolved.token_ids):
+            if cond.kind == "scaffold" and result.prompt_token_ids != list(resolved["schema"].token_ids):
                 raise RuntimeError(f"{question.id}: the scaffold prompt reads different tokens")
             record = Record(question.id, question.kind, cond.name, result.text,
                             exact_match(result.text, question.answers), token_f1(result.text, question.answers),
-                            contains_answer(result.text, question.answers), result.ttft_s, result.computed_tokens)
+                            contains_answer(result.text, question.answers), result.ttft_s, result.computed_tokens,
+                            extra=dict(info))
             if base_result is None:
                 base_result = result
             else:
@@ -179,14 +229,28 @@ def evaluate(args: argparse.Namespace, checkpoint=None) -> dict:
     return report(len(questions))
 
 
+def question_info(data: ds.Dataset, question: ds.Question, resolved, layout: str) -> dict:
+    """Where the question's documents sit: the imported documents in order, the index of the one
+    holding the answer, and (schema placement) the positions between the end of the system
+    prompt and that document's first token."""
+    docs = list(ds.imported(data, question, layout))
+    answer = question.docs[-1]
+    schema = resolved.schema
+    head = [p for p in schema.modules[""].position_ids if p < schema.modules[answer].start]
+    return {"imported": docs, "answer_index": docs.index(answer),
+            "schema_gap": schema.modules[answer].start - (head[-1] + 1 if head else 0)}
+
+
 def _generate(cache, prefix, data, question, resolved, cond: Condition, max_new_tokens: int, stop):
+    plain = resolved["schema"]
     if cond.kind == "baseline":
-        return cache.generate(resolved, mode="baseline", max_new_tokens=max_new_tokens, stop=stop)
+        return cache.generate(plain, mode="baseline", max_new_tokens=max_new_tokens, stop=stop)
     if cond.kind == "prefix":
-        return prefix.complete(list(resolved.token_ids), max_new_tokens=max_new_tokens, stop=stop)
+        return prefix.complete(list(plain.token_ids), max_new_tokens=max_new_tokens, stop=stop)
     if cond.kind == "scaffold":
         return cache.generate(ds.prompt(data, question, scaffold=True), max_new_tokens=max_new_tokens, stop=stop)
-    return cache.generate(resolved, max_new_tokens=max_new_tokens, stop=stop, recompute=cond.share,
+    amount = int(cond.share) if cond.policy == "epic" else cond.share
+    return cache.generate(resolved[cond.placement], max_new_tokens=max_new_tokens, stop=stop, recompute=amount,
                           recompute_policy=cond.policy or "first")
 
 
@@ -201,7 +265,7 @@ def summarize(records: list[Record], conds: list[Condition]) -> dict:
                 continue
             rows[cond.name] = {
                 "n": len(chosen),
-                "share": cond.share, "policy": cond.policy, "type": cond.kind,
+                "share": cond.share, "policy": cond.policy, "type": cond.kind, "placement": cond.placement,
                 "em": 100 * statistics.fmean(r.em for r in chosen),
                 "f1": 100 * statistics.fmean(r.f1 for r in chosen),
                 "contains": 100 * statistics.fmean(r.contains for r in chosen),
@@ -277,7 +341,7 @@ def plot(report: dict, path: Path) -> None:
               ("ttft_median_ms", "median TTFT (ms, log)", "kl", "first-token KL from baseline (nats, symlog)"))
     fig, axes = plt.subplots(len(panels), len(kinds), figsize=(6.5 * len(kinds), 13), squeeze=False)
     markers = {"baseline": ("k", "s"), "prefix": ("tab:gray", "D"), "independent": ("tab:red", "o"),
-               "scaffold": ("tab:green", "*")}
+               "compact": ("tab:orange", "^"), "scaffold": ("tab:green", "*")}
     for row, (x_key, x_label, y_key, y_label) in enumerate(panels):
         for ax, kind in zip(axes[row], kinds):
             rows = report["summary"][kind]
@@ -285,18 +349,20 @@ def plot(report: dict, path: Path) -> None:
                 if name in rows:
                     ax.scatter(rows[name][x_key], rows[name][y_key], c=colour, marker=marker, s=80,
                                label=name, zorder=3)
-            for policy, colour in (("first", "tab:blue"), ("deviation", "tab:purple")):
-                sweep = sorted((m["share"], m) for m in rows.values() if m["policy"] == policy)
-                if policy != "first" and "first@1" in rows:
-                    sweep.append((1.0, rows["first@1"]))
-                if not sweep:
-                    continue
-                points = ([(0.0, rows["independent"])] if "independent" in rows else []) + sweep
-                ax.plot([m[x_key] for _, m in points], [m[y_key] for _, m in points], "-o", c=colour,
-                        label=f"recompute {policy}")
-                for share, m in sweep:
-                    ax.annotate(f"{share:g}", (m[x_key], m[y_key]), textcoords="offset points",
-                                xytext=(4, -10), fontsize=8, color=colour)
+            for placement, start, style in (("schema", "independent", "-o"), ("compact", "compact", "--^")):
+                for policy, colour in (("first", "tab:blue"), ("deviation", "tab:purple"), ("epic", "tab:olive")):
+                    sweep = sorted(((m["share"], m) for m in rows.values() if m["policy"] == policy
+                                    and m.get("placement", "schema") == placement), key=lambda t: t[0])
+                    if policy == "deviation" and placement == "schema" and "first@1" in rows:
+                        sweep.append((1.0, rows["first@1"]))
+                    if not sweep:
+                        continue
+                    points = ([(0.0, rows[start])] if start in rows else []) + sweep
+                    ax.plot([m[x_key] for _, m in points], [m[y_key] for _, m in points], style, c=colour,
+                            label=f"{placement}: recompute {policy}")
+                    for share, m in sweep:
+                        ax.annotate(f"{share:g}", (m[x_key], m[y_key]), textcoords="offset points",
+                                    xytext=(4, -10), fontsize=8, color=colour)
             ax.set_xscale("log")
             if y_key == "kl":
                 ax.set_yscale("symlog", linthresh=1e-3)
@@ -334,6 +400,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--shares", type=float, nargs="+", default=list(DEFAULT_SHARES),
                     help="Recompute shares to sweep.")
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=DEFAULT_POLICIES)
+    ap.add_argument("--conditions", nargs="+", default=None,
+                    help="Conditions by name instead of the share sweep: baseline, prefix, scaffold, independent, "
+                         "compact, [schema+|compact+]<first|deviation|epic>@<amount> (e.g. compact+epic@4).")
+    ap.add_argument("--data", default="shipped",
+                    help="Question set: shipped (data/), heldout (heldout/: never tune on it) or a directory.")
+    ap.add_argument("--layout", default="bundle", choices=LAYOUTS,
+                    help="bundle: a schema per bundle, every prompt imports its bundle; library: one schema of "
+                         "every document, a prompt imports its documents and one distractor.")
     ap.add_argument("--max-new-tokens", type=int, default=20)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()))

@@ -7,7 +7,8 @@ bytes read + written. GPU name, memory and clocks come from nvidia-ml-py when in
     .venv/bin/python perf/kernels/gpu_check.py --skip-tests
     .venv/bin/python perf/kernels/gpu_check.py --dry-run       # CPU: tiny shapes, interpreter, no tests
 
-Targets (issue 4): gather >= 80% of the copy bandwidth for >= 256 MB, RoPE >= 70%.
+Targets (issue 4): gather >= 80% of the copy bandwidth for >= 256 MB, RoPE >= 70%; (issue 21)
+gather-rotate >= 70%.
 """
 
 from __future__ import annotations
@@ -203,6 +204,45 @@ def bench_rope() -> None:
     report(f"re-rotate keys of a KV block {tuple(keys.shape)} bf16", kb, cases)
 
 
+def bench_gather_rotate() -> None:
+    """Compact placement's block copy: gather-concat that re-rotates keys by a per-range delta."""
+    L, H, D, dt = (32, 8, 128, torch.bfloat16) if DEV.type == "cuda" else (2, 1, 8, torch.bfloat16)
+    per_token = L * 2 * H * D * 2
+    tokens = max(8, int(ARGS.gather_mb * 1e6 // per_token)) if DEV.type == "cuda" else 24
+    nblk = 8
+    n = tokens // nblk
+    tokens = n * nblk
+    blocks = [torch.randn(L, 2, H, n, D, device=DEV, dtype=dt) for _ in range(nblk)]
+    out = torch.empty(L, 2, H, tokens + 256, D, device=DEV, dtype=dt)
+    table_host = torch.tensor([[i, 0, i * n, n, 1000 * i - 3000] for i in range(nblk)], dtype=torch.int64)
+    table = table_host.to(DEV)
+    inv = (1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEV).float() / D)))[None].repeat(L, 1)
+    nbytes = L * 2 * H * tokens * D * 2
+    src = torch.empty(nbytes // 2, device=DEV, dtype=dt)
+    dst = torch.empty_like(src)
+    cases = {"d2d copy (same bytes)": lambda: dst.copy_(src),
+             "gather-rotate torch path": lambda: ops.gather_rotate(out, blocks, table_host, inv, backend="torch"),
+             "gather-concat then rerotate (torch)": lambda: (
+                 ops.gather_concat(out, blocks, table_host[:, :4], backend="torch"),
+                 [ops.rerotate_keys(out[:, 0, :, i * n:(i + 1) * n], 1000 * i - 3000, inv[0], backend="torch")
+                  for i in range(nblk)])}
+    if triton_ok():
+        cases["gather-rotate triton (device table)"] = lambda: ops.gather_rotate(out, blocks, table, inv, max_rows=n,
+                                                                                 backend="triton")
+        cases["gather-concat triton (no rotation)"] = lambda: ops.gather_concat(out, blocks, table[:, :4].contiguous(),
+                                                                                max_rows=n, backend="triton")
+        ops.gather_rotate(out, blocks, table, inv, max_rows=n, backend="triton")
+        want = torch.empty_like(out)
+        ops.gather_rotate(want, blocks, table_host, inv, backend="torch")
+        err = (out[:, :, :, :tokens].float() - want[:, :, :, :tokens].float()).abs().max().item()
+        print(f"\ngather-rotate triton vs torch path max abs diff (bf16): {err:.3e}")
+    res = report(f"gather-rotate L={L} H={H} D={D} bf16, {tokens} tokens in {nblk} moved blocks", 2 * nbytes, cases)
+    key = "gather-rotate triton (device table)"
+    if key in res:
+        share = res["d2d copy (same bytes)"] / res[key]
+        print(f"  target >= 70% of copy bandwidth: {'met' if share >= 0.7 else 'NOT met'} ({share * 100:.0f}%)")
+
+
 def main() -> int:
     gpu_info()
     rc = 0
@@ -213,6 +253,7 @@ def main() -> int:
         bench_gather()
         bench_scatter()
         bench_rope()
+        bench_gather_rotate()
     print("\nlaunch counts:", ops.launch_counts())
     return rc
 

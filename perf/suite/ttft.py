@@ -55,10 +55,10 @@ class _Floor:
         row = 0
         with engine.model_lock:
             for ref in plan.blocks:
-                key = engine.block_key(resolved.schema, ref.module, ref.scaffold)
-                block = engine.fetch_block(resolved.schema, ref.module, ref.scaffold)
+                block = engine.fetch_block(resolved.schema, ref.module, ref.scaffold, ref.geometry)
                 buf.data[:, :, :, row:row + ref.n_rows] = block
-                buf.row_pos[row:row + ref.n_rows] = engine.block_positions(resolved.schema, ref.module, key)
+                buf.row_pos[row:row + ref.n_rows] = engine.block_positions(resolved.schema, ref.module, ref.scaffold,
+                                                                           ref.geometry)
                 for hidden in ref.hidden:
                     buf.row_bias[row + hidden] = float("-inf")
                 row += ref.n_rows

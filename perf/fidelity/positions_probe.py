@@ -1,0 +1,124 @@
+"""Which distance hurts: full causal attention over a prompt's tokens at chosen positions.
+
+``python -m perf.fidelity.positions_probe --layout library`` reads each question's prompt (its
+documents, a distractor and the question, schema order) with plain causal attention — no cached
+modules at all — at four position layouts, and answers greedily as the fidelity runner does:
+
+* ``contiguous``: positions 0..n-1 (= the runner's baseline);
+* ``schema``: the schema positions (= ``schema+first@1``: every stale token recomputed);
+* ``gaps_only``: the documents at their schema positions (gaps before and between them), the
+  text after them right after the last one;
+* ``tail_only``: everything contiguous but the text after the documents, which starts where
+  the schema ends (the distance from the documents to the question, without gaps before them).
+
+So positions alone, with attention left whole, are separated into the gaps in front of the
+documents and the distance between the documents and the question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from perf.fidelity import dataset as ds
+from perf.fidelity.runner import select_questions
+from perf.fidelity.scoring import contains_answer, first_token_kl
+
+LAYOUTS = ("contiguous", "schema", "gaps_only", "tail_only")
+
+
+def layouts(resolved) -> dict[str, list[int]]:
+    """Position ids of the prompt's live tokens under each layout."""
+    schema_pos = list(resolved.position_ids)
+    n = len(schema_pos)
+    end_docs = max(i for i, seg in enumerate(_token_segments(resolved)) if seg.kind == "cached" and seg.module)
+    gaps = schema_pos[:end_docs + 1] + list(range(schema_pos[end_docs] + 1, schema_pos[end_docs] + n - end_docs))
+    first_after = end_docs + 1
+    tail = list(range(first_after)) + list(range(schema_pos[first_after], schema_pos[first_after] + n - first_after))
+    return {"contiguous": list(range(n)), "schema": schema_pos, "gaps_only": gaps, "tail_only": tail}
+
+
+def _token_segments(resolved) -> list:
+    out = []
+    for seg in resolved.live_segments():
+        out += [seg] * len(seg.token_ids)
+    return out
+
+
+@torch.inference_mode()
+def answer(cache, ids: list[int], positions: list[int], max_new: int, stopper) -> tuple[str, torch.Tensor]:
+    """Greedy answer (stopped and trimmed by ``stopper``) and fp32 first logits of causal attention
+    over ``ids`` at ``positions``."""
+    past = DynamicCache(config=cache.model.config)
+    logits = cache.adapter.forward(torch.tensor([ids]), torch.tensor([positions]), None, past)[-1]
+    first = logits.float()
+    out: list[int] = []
+    pos = positions[-1]
+    for _ in range(max_new):
+        token = int(torch.argmax(logits))
+        out.append(token)
+        if stopper.check(out)[0]:
+            break
+        pos += 1
+        logits = cache.adapter.forward(torch.tensor([[token]]), torch.tensor([[pos]]), None, past)[-1]
+    return stopper.trim(cache.tokenizer.decode(out, skip_special_tokens=True)), first
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m perf.fidelity.positions_probe", description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default="shipped")
+    ap.add_argument("--layout", default="library", choices=("bundle", "library"))
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    from pckernels import PromptCache
+    from pckernels.engine.sampling import StopChecker
+
+    torch.set_num_threads(args.threads)
+    data = ds.load(args.data)
+    cache = PromptCache.from_pretrained(store_dir=False, device_budget="8GiB")
+    stopper = StopChecker(cache.tokenizer, ["\n", ". "], cache.eos_ids)
+    records = []
+    for number, question in enumerate(select_questions(data, args.limit), 1):
+        if args.layout == "library":
+            cache.add_schema(ds.library_schema(data))
+        else:
+            cache.add_schema(ds.bundle_schema(data, data.bundle_of(question)))
+        resolved = cache.resolve(ds.prompt(data, question, layout=args.layout))
+        ids = list(resolved.token_ids)
+        row = {"question": question.id, "kind": question.kind}
+        base_logits = None
+        for name, positions in layouts(resolved).items():
+            text, first = answer(cache, ids, positions, args.max_new_tokens, stopper)
+            base_logits = first if base_logits is None else base_logits
+            row[name] = {"text": text, "contains": contains_answer(text, question.answers),
+                         "kl": first_token_kl(base_logits, first), "last_position": positions[-1]}
+        records.append(row)
+        print(f"[{number}] {question.id} " + " ".join(f"{k}={row[k]['contains']:.0f}" for k in LAYOUTS), flush=True)
+    summary = {}
+    for kind in ("single", "cross", "all"):
+        chosen = [r for r in records if kind == "all" or r["kind"] == kind]
+        if not chosen:
+            continue
+        summary[kind] = {name: {"contains": 100 * statistics.fmean(r[name]["contains"] for r in chosen),
+                                "lost": sum(r["contiguous"]["contains"] > r[name]["contains"] for r in chosen),
+                                "gained": sum(r["contiguous"]["contains"] < r[name]["contains"] for r in chosen),
+                                "kl": statistics.fmean(r[name]["kl"] for r in chosen), "n": len(chosen)}
+                         for name in LAYOUTS}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+                                    "records": records}, indent=1), encoding="utf-8")
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

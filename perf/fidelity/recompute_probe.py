@@ -1,0 +1,103 @@
+"""Which stale tokens matter: recompute chosen groups of them at compact placement.
+
+``python -m perf.fidelity.recompute_probe --layout library`` answers each question at compact
+placement with exactly these stale tokens recomputed (``plan.stale_tokens``), so EPIC's recompute
+of every module's first k tokens is split into its parts:
+
+* ``none``: plain compact placement;
+* ``tail``: the anonymous text after the documents (the role suffix ``<|im_end|>\\n`` in these
+  prompts, encoded against the system prompt only and read right before the question);
+* ``starts@k``: the first ``k`` stale tokens of every document, nothing else;
+* ``tail+starts@k``: both (= ``recompute_policy="epic"``, ``recompute=k``);
+* ``rest@k``: the stale document tokens after the first ``k`` (everything but the starts) — as
+  many tokens again elsewhere, to tell "starts" from "any recompute".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from perf.fidelity import dataset as ds
+from perf.fidelity.runner import select_questions
+from perf.fidelity.scoring import contains_answer, first_token_kl
+
+
+def selections(stale: list[tuple[str, int]], ks: list[int]) -> dict[str, frozenset]:
+    by_module: dict[str, list[tuple[str, int]]] = {}
+    for ref in stale:
+        by_module.setdefault(ref[0], []).append(ref)
+    tail = [ref for ref in stale if ref[0] == ""]
+    docs = {m: refs for m, refs in by_module.items() if m}
+    out = {"none": frozenset(), "tail": frozenset(tail)}
+    for k in ks:
+        starts = [r for refs in docs.values() for r in refs[:k]]
+        rest = [r for refs in docs.values() for r in refs[k:2 * k]]
+        out[f"starts@{k}"] = frozenset(starts)
+        out[f"tail+starts@{k}"] = frozenset(starts + tail)
+        out[f"rest@{k}"] = frozenset(rest)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m perf.fidelity.recompute_probe", description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default="shipped")
+    ap.add_argument("--layout", default="library", choices=("bundle", "library"))
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--k", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    from pckernels import PromptCache
+    from pckernels.engine.plan import plan_request, stale_tokens
+    from pckernels.engine.request import Request, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    data = ds.load(args.data)
+    cache = PromptCache.from_pretrained(store_dir=False, device_budget="8GiB")
+    params = SamplingParams(args.max_new_tokens, stop=("\n", ". "))
+    records = []
+    for number, question in enumerate(select_questions(data, args.limit), 1):
+        schema = cache.add_schema(ds.library_schema(data) if args.layout == "library"
+                                  else ds.bundle_schema(data, data.bundle_of(question)))
+        cache.encoder.encode_schema(schema, geometries=("packed",))
+        plain = cache.resolve(ds.prompt(data, question, layout=args.layout))
+        base = cache.generate(plain, mode="baseline", max_new_tokens=args.max_new_tokens, stop=["\n", ". "])
+        resolved = cache.resolve(ds.prompt(data, question, layout=args.layout, placement="compact"))
+        row = {"question": question.id, "kind": question.kind,
+               "baseline": {"contains": contains_answer(base.text, question.answers), "kl": 0.0, "computed": 0}}
+        for name, chosen in selections(stale_tokens(resolved), args.k).items():
+            plan = plan_request(resolved, chosen)
+            request = Request(params, "cached", list(resolved.token_ids), list(resolved.position_ids), plan=plan,
+                              schema=resolved.schema)
+            got = cache.submit(request).result()
+            row[name] = {"contains": contains_answer(got.text, question.answers), "recomputed": len(chosen),
+                         "kl": first_token_kl(base.first_logits, got.first_logits), "text": got.text}
+        records.append(row)
+        print(f"[{number}] {question.id} " + " ".join(f"{k}={v['contains']:.0f}" for k, v in row.items()
+                                                    if isinstance(v, dict)), flush=True)
+    names = [k for k, v in records[0].items() if isinstance(v, dict)]
+    summary = {}
+    for kind in ("single", "cross", "all"):
+        chosen = [r for r in records if kind == "all" or r["kind"] == kind]
+        summary[kind] = {n: {"contains": 100 * statistics.fmean(r[n]["contains"] for r in chosen),
+                             "lost": sum(r["baseline"]["contains"] > r[n]["contains"] for r in chosen),
+                             "gained": sum(r["baseline"]["contains"] < r[n]["contains"] for r in chosen),
+                             "kl": statistics.fmean(r[n]["kl"] for r in chosen),
+                             "recomputed": statistics.fmean(r[n].get("recomputed", 0) for r in chosen)}
+                         for n in names}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+                                    "records": records}, indent=1), encoding="utf-8")
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
