@@ -413,6 +413,17 @@ def test_gather_rotate(device, dtype, case, table_dtype):
                       backend=backend_for(device), zero_layer=case[0] - 1 if case[0] > 1 else None)
 
 
+@pytest.mark.parametrize("case", GATHER_ROTATE_CASES[1:], ids=lambda c: f"L{c[0]}H{c[1]}D{c[2]}R{2 * c[3]}")
+def test_gather_rotate_cpu_pieces(monkeypatch, case):
+    """The CPU path rotates fp32 keys in cache-sized pieces: pieces of a few rows (odd, cutting
+    every block) give the reference's result."""
+    from pckernels.kernels import rope
+
+    L, H, D = case[:3]
+    monkeypatch.setattr(rope, "GATHER_ROTATE_CHUNK", 3 * H * D * 4 // torch.get_num_threads() + 1)
+    run_gather_rotate("cpu", torch.float32, case, torch.int64, strided=True, backend="torch", zero_layer=0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_gather_rotate_moves_keys_like_encoding_there(device):
     """A block's keys rotated at p, gathered with delta d, equal the keys rotated at p + d."""

@@ -250,6 +250,10 @@ def rope_cos_sin_triton(
     _launch_rope([(q, q_out), (k, k_out)], cos.shape[-1] // 2, cos=cos, sin=sin, launch=launch)
 
 
+GATHER_ROTATE_CHUNK = 512 * 1024
+"""Bytes of keys per thread the CPU path rotates at a time (fits a core's L2 with its output)."""
+
+
 def check_gather_rotate_args(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
                              inv_freq: torch.Tensor) -> None:
     """Checks that need no device sync: ``out [L, 2, H, cap, D]`` fp32/fp16/bf16, blocks
@@ -270,15 +274,18 @@ def check_gather_rotate_args(out: torch.Tensor, blocks: list[torch.Tensor], tabl
 
 def gather_rotate_torch(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
                         inv_freq: torch.Tensor) -> None:
-    """Torch path: per table entry one copy of the values and the keys' pass-through dims and the
-    rotated keys computed from the source straight into ``out`` (fp32 math; in fp32 without
-    temporaries: two multiplies and two fused multiply-adds into the destination)."""
+    """Torch path: per table entry one copy of the values and the rotated keys computed from the
+    source straight into ``out`` (fp32 math). In fp32 the keys go in cache-sized pieces of
+    ``GATHER_ROTATE_CHUNK`` bytes per thread, each a multiply by ``[cos, cos, 1]`` over whole rows
+    and two fused multiply-adds for the ``-x2 sin`` and ``+x1 sin`` halves, so the second and third
+    pass read from cache (bitwise the same arithmetic as multiply-then-add per half)."""
     entries = table.tolist()
     check_table_host([e[:4] for e in entries], blocks, out.shape[3])
     half = inv_freq.shape[1]
     r = 2 * half
-    D = out.shape[4]
+    L, _, H, _, D = out.shape
     trig: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    rows = max(1, GATHER_ROTATE_CHUNK * torch.get_num_threads() // (H * D * out.element_size()))
     for b, src, dst, n, delta in entries:
         if not n:
             continue
@@ -290,22 +297,26 @@ def gather_rotate_torch(out: torch.Tensor, blocks: list[torch.Tensor], table: to
         o[:, 1].copy_(x[:, 1])
         if delta not in trig:
             ang = float(delta) * inv_freq.to(device=out.device, dtype=torch.float32)
-            trig[delta] = ang.cos()[:, None, None], ang.sin()[:, None, None]
+            cos = ang.cos()
+            full = torch.cat([cos, cos, cos.new_ones(L, D - r)], -1)
+            trig[delta] = full[:, None, None], ang.sin()[:, None, None]
         c, s = trig[delta]
         k, ko = x[:, 0], o[:, 0]
+        if out.dtype == torch.float32 and k.dtype == torch.float32:
+            for layer in range(L):
+                cl, sl = c[layer], s[layer]
+                for a in range(0, n, rows):
+                    kk, oo = k[layer, :, a:a + rows], ko[layer, :, a:a + rows]
+                    torch.mul(kk, cl, out=oo)
+                    oo[..., :half].addcmul_(kk[..., half:r], sl, value=-1.0)
+                    oo[..., half:r].addcmul_(kk[..., :half], sl)
+            continue
         if r < D:
             ko[..., r:].copy_(k[..., r:])
-        if out.dtype == torch.float32:
-            x1, x2, o1, o2 = k[..., :half], k[..., half:r], ko[..., :half], ko[..., half:r]
-            torch.mul(x1, c, out=o1)
-            o1.addcmul_(x2, s, value=-1.0)
-            torch.mul(x2, c, out=o2)
-            o2.addcmul_(x1, s)
-            continue
         x1 = k[..., :half].float()
         x2 = k[..., half:r].float()
-        ko[..., :half].copy_(x1 * c - x2 * s)
-        ko[..., half:r].copy_(x2 * c + x1 * s)
+        ko[..., :half].copy_(x1 * c[..., :half] - x2 * s)
+        ko[..., half:r].copy_(x2 * c[..., :half] + x1 * s)
 
 
 if HAS_TRITON:
