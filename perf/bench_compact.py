@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                "samples_ms": {k: [1e3 * x for x in v] for k, v in samples.items()},
                "breakdown_compact": profile(cache, partial(copied, compact)),
                "breakdown_schema": profile(cache, partial(copied, at_schema)),
-               "copy": copy_seconds(cache.layout, total // args.k, cache.dtype, cache.key_rotation().inv_freq, 15)}
+               # on the scheduler thread, like the engine's own copies (pckernels.engine.threads)
+               "copy": cache.scheduler.call(partial(copy_seconds, cache.layout, total // args.k, cache.dtype,
+                                                    cache.key_rotation().inv_freq, 15))}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.startswith("breakdown")}, indent=1), flush=True)
     report = {"settings": {"model": cache.name, "threads": args.threads, "rounds": args.rounds,

@@ -208,12 +208,22 @@ def test_model_work_runs_on_the_scheduler_thread(tokenizer, monkeypatch):  # noq
         seen.add(threading.current_thread().name)
         return original(x)
 
+    def hook(module, args):  # every nn.Module call: HF forwards, the compact placement's probe
+        seen.add(threading.current_thread().name)
+
     monkeypatch.setattr(layer, "o", spy)
-    pc.add_schema(SCHEMA)
-    pc.generate(PROMPTS["everything"], max_new_tokens=2)
-    pc.generate(PROMPTS["everything"], max_new_tokens=1, recompute=0.5, recompute_policy="deviation")
-    pc.complete("A plain prompt without modules.", max_new_tokens=2)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        pc.add_schema(SCHEMA)
+        pc.generate(PROMPTS["everything"], max_new_tokens=2)
+        pc.generate(PROMPTS["everything"], max_new_tokens=1, recompute=0.5, recompute_policy="deviation")
+        compact = PROMPTS["nested-some"].replace("<prompt ", '<prompt placement="compact" ', 1)
+        pc.generate(compact, max_new_tokens=2, recompute=2, recompute_policy="epic")
+        pc.complete("A plain prompt without modules.", max_new_tokens=2)
+    finally:
+        handle.remove()
     assert seen == {"promptcache-scheduler"}
+    assert pc.scheduler.counters["blocks_moved"] > 0
 
 
 def test_scheduler_calls_return_raise_and_run_inline_under_the_lock(tokenizer):  # noqa: F811

@@ -321,9 +321,14 @@ class PromptCache:
         """How this model's cached keys move with their position (probed once, under the model
         lock; :mod:`pckernels.integration.positions`)."""
         if self._rotation is None:
-            with self.model_lock:
+            def probe() -> KeyRotation:
                 if self._rotation is None:
                     self._rotation = probe_key_rotation(self.adapter)
+                return self._rotation
+
+            # on the scheduler thread: a probe forward on the caller's thread would give it an
+            # OpenMP team of its own and slow every later step (pckernels.engine.threads)
+            return self.scheduler.call(probe)
         return self._rotation
 
     def _check_movable(self, location: tuple[int | None, int | None], what: str, label: str | None = None) -> None:
