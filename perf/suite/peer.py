@@ -10,7 +10,8 @@ questions.
 
 Per context size, in interleaved rounds (each round: every configuration once):
 
-* **cold prefill**: the whole prompt with nothing cached (promptcache: ``complete(reuse=False)``);
+* **cold prefill**: the whole prompt with nothing cached (promptcache: ``complete(reuse=False)``),
+  ``repeats`` times;
 * **a few new tokens after the cached document**: a new question over the document read before
   (llama.cpp keeps the longest cached prefix, as its server does; promptcache: the document as a
   PML module, and plain ``complete()`` with exact prefix reuse);
@@ -40,7 +41,7 @@ DECODE_INSTRUCTION = "List every year mentioned in the chronicle with the town a
 
 def steps(bench: Bench) -> int:
     cfg = bench.config
-    return len(cfg.peer_contexts) * (2 + cfg.repeats * 3)
+    return len(cfg.peer_contexts) * cfg.repeats * 5
 
 
 def _prompts(bench: Bench, context: int) -> tuple[str, list[str]]:
@@ -127,12 +128,13 @@ def _context(bench: Bench, python: str, models: dict, setups: dict, context: int
 
     peers = _Setups(python, models, setups, n_ctx, cfg.peer_threads, failed)
     try:
-        for label, answer in peers.each(lambda p: p.prefill(ids[0])).items():
-            add(f"cold/{label}", answer["seconds"])
-        bench.ticker.advance()
-        engine.prefix.clear()
-        add("cold/promptcache", engine.complete(ids[0], max_new_tokens=1, reuse=False).ttft_s)
-        bench.ticker.advance()
+        for _ in range(cfg.repeats):  # interleaved; llama.cpp's cache ends holding ids[0] for the hits
+            for label, answer in peers.each(lambda p: p.prefill(ids[0])).items():
+                add(f"cold/{label}", answer["seconds"])
+            bench.ticker.advance()
+            engine.prefix.clear()
+            add("cold/promptcache", engine.complete(ids[0], max_new_tokens=1, reuse=False).ttft_s)
+            bench.ticker.advance()
         engine.complete(ids[0], max_new_tokens=1)
         engine.generate(prompts[0], max_new_tokens=1)
         for round_index in range(cfg.repeats):
