@@ -60,9 +60,11 @@ class Peer:
             raise RuntimeError(f"llama.cpp worker: {answer['error']}")
         return answer
 
-    def load(self, model: Path, *, n_ctx: int, threads: int, flash_attn: bool) -> str:
+    def load(self, model: Path, *, n_ctx: int, threads: int, flash_attn: bool, kv: str = "f16") -> str:
+        """Load ``model`` with ``kv`` ("f16", llama.cpp's default, or "f32") as the KV cache type."""
         self.cached = []
-        return self._ask(op="load", model=str(model), n_ctx=n_ctx, threads=threads, flash_attn=flash_attn)["version"]
+        return self._ask(op="load", model=str(model), n_ctx=n_ctx, threads=threads, flash_attn=flash_attn,
+                         kv=kv)["version"]
 
     def prefill(self, ids: list[int]) -> dict:
         """A cold read of ``ids``: seconds and the greedy next token."""

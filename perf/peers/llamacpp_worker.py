@@ -4,7 +4,7 @@ llama-cpp-python is compiled from source into a separate virtual environment (it
 dependency of promptcache), so :mod:`perf.peers.llamacpp` runs this module with that
 environment's Python and talks to it over stdin/stdout, one JSON object per line:
 
-``{"op": "load", "model": PATH, "n_ctx": N, "threads": T, "flash_attn": bool}``
+``{"op": "load", "model": PATH, "n_ctx": N, "threads": T, "flash_attn": bool, "kv": "f16"|"f32"}``
 ``{"op": "prefill", "ids": [...]}``: a cold read of ``ids`` (the cache cleared first);
 ``{"op": "hit", "keep": K, "ids": [...]}``: keep the first ``K`` cached tokens (llama.cpp's own
 prefix reuse, as its server does) and read the rest of ``ids``;
@@ -39,7 +39,8 @@ def main() -> None:
         op = request["op"]
         try:
             if op == "load":
-                llm = llama_cpp.Llama(model_path=request["model"], n_ctx=request["n_ctx"],
+                kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[request.get("kv", "f16")]
+                llm = llama_cpp.Llama(model_path=request["model"], n_ctx=request["n_ctx"], type_k=kv, type_v=kv,
                                       n_threads=request["threads"], n_threads_batch=request["threads"],
                                       n_batch=512, n_ubatch=512, flash_attn=request["flash_attn"],
                                       logits_all=False, verbose=False)

@@ -42,6 +42,8 @@ class SuiteConfig:
     peer_contexts: list[int] = field(default_factory=lambda: [4096, 8064])
     """Document sizes of the llama.cpp comparison (the prompt adds a chat template and a question)."""
     peer_threads: int = 2
+    peer_flash: bool = False
+    """Also run llama.cpp with flash attention (slower for its hits and decode on these CPUs)."""
     peer_python: str | None = None
     """A Python with llama-cpp-python (default: ``$PROMPTCACHE_LLAMACPP_PYTHON``, then this one)."""
     experiments: list[str] = field(default_factory=lambda: list(EXPERIMENTS))

@@ -65,7 +65,12 @@ def run(bench: Bench) -> dict:
     from pckernels.integration.embedded import gguf_path
 
     models = {"f32": gguf_f32.embedded_f32(), "q4_1": gguf_path()}
-    setups = {"llama.cpp f32": ("f32", False), "llama.cpp f32 fa": ("f32", True), "llama.cpp q4_1": ("q4_1", False)}
+    # (weights, flash attention, KV cache type): llama.cpp's default KV is F16, half the bytes
+    # promptcache's fp32 KV reads per decoded token; "kv f32" is the same arithmetic on both sides
+    setups = {"llama.cpp f32": ("f32", False, "f16"), "llama.cpp f32 kv f32": ("f32", False, "f32"),
+              "llama.cpp q4_1": ("q4_1", False, "f16")}
+    if cfg.peer_flash:
+        setups["llama.cpp f32 fa"] = ("f32", True, "f16")
     out = {"llama_cpp_python": version, "threads": cfg.peer_threads, "promptcache_matmul": bench.engine.matmul,
            "contexts": [], "failed": {}}
     for context in cfg.peer_contexts:
@@ -81,12 +86,12 @@ class _Setups:
     def __init__(self, python: str, models: dict, setups: dict, n_ctx: int, threads: int, failed: dict) -> None:
         self.peers: dict[str, Peer] = {}
         self.failed = failed
-        for label, (model, flash) in setups.items():
+        for label, (model, flash, kv) in setups.items():
             if label in failed:
                 continue
             peer = Peer(python)
             try:
-                peer.load(models[model], n_ctx=n_ctx, threads=threads, flash_attn=flash)
+                peer.load(models[model], n_ctx=n_ctx, threads=threads, flash_attn=flash, kv=kv)
             except RuntimeError as exc:
                 self._fail(label, peer, exc)
                 continue

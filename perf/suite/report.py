@@ -161,7 +161,8 @@ def llamacpp_section(result: dict) -> list[str]:
         return ["## 8. llama.cpp, the CPU peer", "", f"Skipped: {result['skipped']}", ""]
     lines = ["## 8. llama.cpp, the CPU peer", "",
              f"llama-cpp-python {result['llama_cpp_python']}, {result['threads']} threads each; the same token ids; "
-             f"llama.cpp on the embedded model's weights as F32 (flash attention off / on, `fa`) and as the "
+             f"llama.cpp on the embedded model's weights as F32 with its default F16 KV cache, with an F32 KV "
+             f"cache (`kv f32`, promptcache's KV precision) and, if asked, flash attention (`fa`), and as the "
              f"shipped Q4_1; promptcache with {result['promptcache_matmul']} matmuls. *hit*: a new question "
              "(the tokens after the document) over the cached document — llama.cpp keeps its longest cached "
              "prefix; promptcache imports the document as a module, or `complete()` reuses its prefix blocks.", ""]
