@@ -220,6 +220,7 @@ def test_model_work_runs_on_the_scheduler_thread(tokenizer, monkeypatch):  # noq
         compact = PROMPTS["nested-some"].replace("<prompt ", '<prompt placement="compact" ', 1)
         pc.generate(compact, max_new_tokens=2, recompute=2, recompute_policy="epic")
         pc.complete("A plain prompt without modules.", max_new_tokens=2)
+        pc.prefix.complete("Another plain prompt, through the prefix cache itself.", max_new_tokens=2)
     finally:
         handle.remove()
     assert seen == {"promptcache-scheduler"}

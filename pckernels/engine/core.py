@@ -362,14 +362,16 @@ class PromptCache:
         """The exact prefix cache plain prompts are answered with, made on first use: a
         :class:`~pckernels.engine.prefix_rows.EnginePrefixCache` (the engine's forward, prompts read
         straight into arena rows); full blocks it evicts spill into this engine's block store
-        (``docs/prefix.md``)."""
+        (``docs/prefix.md``). Its ``complete``/``prefill`` called directly run alone on the
+        scheduler thread; :meth:`complete` is the batched way."""
         with self._prefix_lock:
             if self._prefix is None:
                 from pckernels.engine.prefix_rows import EnginePrefixCache
 
                 self._prefix = self.scheduler.call(lambda: EnginePrefixCache(
                     self.adapter, self.tokenizer, layout=self.layout, dtype=self.dtype, numerics=self.numerics,
-                    block_size=self.prefix_block_size, spill=self.store, spill_model_id=self.model_id))
+                    block_size=self.prefix_block_size, spill=self.store, spill_model_id=self.model_id,
+                    run=self.scheduler.call))
             return self._prefix
 
     # -- requests ---------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextvars
 import itertools
 
+from typing import Callable, TypeVar
+
 import torch
 
 from pckernels import ops
@@ -29,6 +31,7 @@ from pckernels.prefix.cache import Prefill
 from pckernels.prefix.states import KV
 
 NEG_INF = float("-inf")
+T = TypeVar("T")
 
 _TARGET: contextvars.ContextVar[tuple[torch.Tensor, int] | None] = contextvars.ContextVar(
     "promptcache_prefix_rows", default=None)
@@ -129,16 +132,25 @@ class EnginePrefixCache(PrefixCache):
 
     ``adapter``: the engine's model adapter; ``layout``/``dtype``: its KV layout and dtype;
     ``numerics``: the engine's numerics tag (kept apart from other forwards' blocks in chains and
-    spilled keys). Other arguments as :class:`~pckernels.prefix.PrefixCache`.
+    spilled keys). ``run``: how model work is run (the engine passes its scheduler's ``call``, so
+    that a caller using ``complete``/``prefill`` directly runs alone on the scheduler thread, under
+    the model lock: ``pckernels.engine.threads``). Other arguments as
+    :class:`~pckernels.prefix.PrefixCache`.
     """
 
     def __init__(self, adapter, tokenizer, *, layout: KVLayout, dtype: torch.dtype, numerics: str,
-                 **options) -> None:
+                 run: Callable[[Callable[[], T]], T] | None = None, **options) -> None:
         self.adapter = adapter
         self.layout = layout
         self.kv_dtype = dtype
         self.numerics = numerics
+        self.run = run if run is not None else (lambda fn: fn())
         super().__init__(adapter.model, tokenizer, **options)
+
+    def complete(self, prompt, **options):
+        """As :meth:`PrefixCache.complete`, run through ``run`` (alone, not batched: the engine's
+        own ``complete`` is the batched way)."""
+        return self.run(lambda: super(EnginePrefixCache, self).complete(prompt, **options))
 
     def _make_states(self) -> _RowStates:
         return _RowStates(self.layout, self.kv_dtype, self.device)
@@ -155,11 +167,14 @@ class EnginePrefixCache(PrefixCache):
         arena) the prompt's states are read into those rows, row i holding token i. ``placed``:
         the first tokens whose states the rows already hold (left from an earlier request that
         read the same blocks there); stored blocks are not copied over them."""
-        token = _TARGET.set(None if rows is None else (rows, placed))
-        try:
-            return super().prefill(prompt_ids, reuse=reuse, salt=salt)
-        finally:
-            _TARGET.reset(token)
+        def read() -> Prefill:
+            token = _TARGET.set(None if rows is None else (rows, placed))
+            try:
+                return super(EnginePrefixCache, self).prefill(prompt_ids, reuse=reuse, salt=salt)
+            finally:
+                _TARGET.reset(token)
+
+        return self.run(read)
 
     def _forward(self, cache: BufferCache, input_ids: torch.Tensor, first_position: int) -> torch.Tensor:
         """One forward of ``input_ids [1, q]`` at positions ``first_position ..`` over rows
