@@ -58,8 +58,9 @@ idle half the time; 15.1 vs 17.9 ms per decode step at 4K on the embedded model,
 
 ONEDNN_ROWS = (4, 48)
 """fp32 projections of this many rows (inclusive) run on oneDNN's inner product, the rest on MKL's
-GEMM (``F.linear``): on the embedded model oneDNN is 15-20% faster for 4-32 rows and slower for
-one (``perf/results/cpu-2c/linear``)."""
+GEMM (``F.linear``): on the embedded model oneDNN is 15-35% faster for 4-48 rows on one thread
+(``perf/results/cpu-x86_64-1t/linear``), within a few percent either way on two except 8 rows
+(19% faster) and 48 (8% slower; ``perf/results/cpu-2c/linear``), and slower for one row."""
 
 SELF_CHECK_TOL = 1e-3
 """Largest |native - HF| of fp32 logits (relative to their spread) the self-check accepts."""
