@@ -27,7 +27,7 @@ from pckernels.engine.request import PrefixPrefill, Request, RequestHandle, Samp
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.scheduler import Scheduler
 from pckernels.engine.text import TextStream
-from pckernels.engine.threads import in_fresh_thread
+from pckernels.engine.threads import close_at_exit, in_fresh_thread
 from pckernels.integration.native import MATMULS
 from pckernels.errors import PMLError, PMLPromptTooLongError
 from pckernels.integration.adapters import adapter_for
@@ -166,6 +166,7 @@ class PromptCache:
         self.scheduler = Scheduler(self, max_bytes=default_kv_budget(self.device) if kv_bytes is None else kv_bytes,
                                    max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens)
         self._rotation: KeyRotation | None = None
+        close_at_exit(self)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2", *, device: str | torch.device | None = None,

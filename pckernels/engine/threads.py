@@ -15,10 +15,30 @@ brings the slowdown back; ``docs/perf.md`` says how to avoid it.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
+import weakref
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def close_at_exit(engine) -> None:
+    """Have ``engine.close()`` run when the interpreter exits, so that its threads end between
+    two steps instead of being stopped inside a torch op while the runtime shuts down."""
+    _ENGINES.add(engine)
+
+
+@atexit.register
+def _close_engines() -> None:
+    for engine in list(_ENGINES):
+        try:
+            engine.close()
+        except Exception:  # exiting anyway: say why, close the others
+            log.exception("closing %r at exit failed", engine)
 
 
 def in_fresh_thread(fn: Callable[..., T], *args, **kwargs) -> T:

@@ -16,16 +16,14 @@ capture queries and keys (analysis only: one thread, nothing else running).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
 from perf.fidelity import dataset as ds
-from perf.fidelity.runner import select_questions
+from perf.fidelity.runner import open_probe, probe_parser
 
 GROUPS = ("system", "answer_start", "answer_rest", "other_start", "other_rest", "tail", "question")
 
@@ -111,21 +109,13 @@ def attention_by_group(cache, prompt: str, resolved, groups: list[str], mode: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m perf.fidelity.attention", description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default="shipped")
-    ap.add_argument("--layout", default="library", choices=("bundle", "library"))
-    ap.add_argument("--limit", type=int, default=None)
+    ap = probe_parser("python -m perf.fidelity.attention", __doc__.splitlines()[0])
     ap.add_argument("--start", type=int, default=4, help="Tokens of a document counted as its start.")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    from pckernels import PromptCache
 
-    torch.set_num_threads(args.threads)
-    data = ds.load(args.data)
-    cache = PromptCache.from_pretrained(store_dir=False, device_budget="8GiB")
+    data, cache, questions = open_probe(args)
     records = []
-    for number, question in enumerate(select_questions(data, args.limit), 1):
+    for number, question in enumerate(questions, 1):
         if args.layout == "library":
             schema = cache.add_schema(ds.library_schema(data))
         else:

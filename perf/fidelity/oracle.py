@@ -11,16 +11,13 @@ measured: ``bare`` rows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
-import torch
 
 from perf.fidelity import dataset as ds
-from perf.fidelity.runner import select_questions
+from perf.fidelity.runner import open_probe, probe_parser
 
 
 def compare(cache, prompt: str, new_tokens: int) -> dict:
@@ -54,22 +51,14 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m perf.fidelity.oracle", description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default="shipped")
-    ap.add_argument("--layout", default="library", choices=("bundle", "library"))
-    ap.add_argument("--limit", type=int, default=None)
+    ap = probe_parser("python -m perf.fidelity.oracle", __doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    from pckernels import PromptCache
 
-    torch.set_num_threads(args.threads)
-    data = ds.load(args.data)
-    cache = PromptCache.from_pretrained(store_dir=False, device_budget="8GiB")
+    data, cache, questions = open_probe(args)
     bare = cache.add_schema(bare_schema(data))
     rows: list[dict] = []
-    for number, question in enumerate(select_questions(data, args.limit), 1):
+    for number, question in enumerate(questions, 1):
         if args.layout == "library":
             cache.add_schema(ds.library_schema(data))
         else:

@@ -17,17 +17,15 @@ documents and the distance between the documents and the question.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from perf.fidelity import dataset as ds
-from perf.fidelity.runner import select_questions
+from perf.fidelity.runner import open_probe, probe_parser
 from perf.fidelity.scoring import contains_answer, first_token_kl
 
 LAYOUTS = ("contiguous", "schema", "gaps_only", "tail_only")
@@ -71,23 +69,15 @@ def answer(cache, ids: list[int], positions: list[int], max_new: int, stopper) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m perf.fidelity.positions_probe", description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default="shipped")
-    ap.add_argument("--layout", default="library", choices=("bundle", "library"))
-    ap.add_argument("--limit", type=int, default=None)
+    ap = probe_parser("python -m perf.fidelity.positions_probe", __doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    from pckernels import PromptCache
     from pckernels.engine.sampling import StopChecker
 
-    torch.set_num_threads(args.threads)
-    data = ds.load(args.data)
-    cache = PromptCache.from_pretrained(store_dir=False, device_budget="8GiB")
+    data, cache, questions = open_probe(args)
     stopper = StopChecker(cache.tokenizer, ["\n", ". "], cache.eos_ids)
     records = []
-    for number, question in enumerate(select_questions(data, args.limit), 1):
+    for number, question in enumerate(questions, 1):
         if args.layout == "library":
             cache.add_schema(ds.library_schema(data))
         else:

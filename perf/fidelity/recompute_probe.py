@@ -15,16 +15,13 @@ of every module's first k tokens is split into its parts:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
-import torch
 
 from perf.fidelity import dataset as ds
-from perf.fidelity.runner import select_questions
+from perf.fidelity.runner import open_probe, probe_parser
 from perf.fidelity.scoring import contains_answer, first_token_kl
 
 
@@ -45,25 +42,17 @@ def selections(stale: list[tuple[str, int]], ks: list[int]) -> dict[str, frozens
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m perf.fidelity.recompute_probe", description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default="shipped")
-    ap.add_argument("--layout", default="library", choices=("bundle", "library"))
-    ap.add_argument("--limit", type=int, default=None)
+    ap = probe_parser("python -m perf.fidelity.recompute_probe", __doc__.splitlines()[0])
     ap.add_argument("--k", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    from pckernels import PromptCache
     from pckernels.engine.plan import plan_request, stale_tokens
     from pckernels.engine.request import Request, SamplingParams
 
-    torch.set_num_threads(args.threads)
-    data = ds.load(args.data)
-    cache = PromptCache.from_pretrained(store_dir=False, device_budget="8GiB")
+    data, cache, questions = open_probe(args)
     params = SamplingParams(args.max_new_tokens, stop=("\n", ". "))
     records = []
-    for number, question in enumerate(select_questions(data, args.limit), 1):
+    for number, question in enumerate(questions, 1):
         schema = cache.add_schema(ds.library_schema(data) if args.layout == "library"
                                   else ds.bundle_schema(data, data.bundle_of(question)))
         cache.encoder.encode_schema(schema, geometries=("packed",))

@@ -104,6 +104,28 @@ class Record:
     extra: dict = field(default_factory=dict)
 
 
+def probe_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The arguments every fidelity probe takes: ``--data``, ``--layout``, ``--limit``,
+    ``--threads`` and ``--out``; a probe adds its own."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("--data", default="shipped")
+    ap.add_argument("--layout", default="library", choices=("bundle", "library"))
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, required=True)
+    return ap
+
+
+def open_probe(args: argparse.Namespace):
+    """``(dataset, PromptCache of the embedded model, questions)`` for a probe's parsed ``args``."""
+    from pckernels import PromptCache
+
+    torch.set_num_threads(args.threads)
+    data = ds.load(args.data)
+    cache = PromptCache.from_pretrained(store_dir=False, device_budget="8GiB")
+    return data, cache, select_questions(data, args.limit)
+
+
 def select_questions(data: ds.Dataset, limit: int | None) -> list[ds.Question]:
     """All questions, or ``limit`` of each kind spread evenly over the set, interleaved (one
     question of each kind and bundle in turn) so that any prefix of the run is a spread too."""
