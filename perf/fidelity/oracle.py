@@ -11,13 +11,12 @@ measured: ``bare`` rows.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 
 
 from perf.fidelity import dataset as ds
-from perf.fidelity.runner import open_probe, probe_parser
+from perf.fidelity.runner import open_probe, probe_parser, write_probe
 
 
 def compare(cache, prompt: str, new_tokens: int) -> dict:
@@ -79,11 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[placement] = {"all": summarize(chosen),
                               "nothing moved": summarize([r for r in chosen if not r["moved"]]),
                               "context moved": summarize([r for r in chosen if r["moved"]])}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                    "rows": rows}, indent=1), encoding="utf-8")
-    print(json.dumps(summary, indent=1))
-    return 0
+    return write_probe(args, summary, rows=rows)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ documents and the distance between the documents and the question.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 
@@ -25,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from perf.fidelity import dataset as ds
-from perf.fidelity.runner import open_probe, probe_parser
+from perf.fidelity.runner import open_probe, probe_parser, write_probe
 from perf.fidelity.scoring import contains_answer, first_token_kl
 
 LAYOUTS = ("contiguous", "schema", "gaps_only", "tail_only")
@@ -103,11 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "gained": sum(r["contiguous"]["contains"] < r[name]["contains"] for r in chosen),
                                 "kl": statistics.fmean(r[name]["kl"] for r in chosen), "n": len(chosen)}
                          for name in LAYOUTS}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                    "records": records}, indent=1), encoding="utf-8")
-    print(json.dumps(summary, indent=1))
-    return 0
+    return write_probe(args, summary, records=records)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ of every module's first k tokens is split into its parts:
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 
 
 from perf.fidelity import dataset as ds
-from perf.fidelity.runner import open_probe, probe_parser
+from perf.fidelity.runner import open_probe, probe_parser, write_probe
 from perf.fidelity.scoring import contains_answer, first_token_kl
 
 
@@ -81,11 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                              "kl": statistics.fmean(r[n]["kl"] for r in chosen),
                              "recomputed": statistics.fmean(r[n].get("recomputed", 0) for r in chosen)}
                          for n in names}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                    "records": records}, indent=1), encoding="utf-8")
-    print(json.dumps(summary, indent=1))
-    return 0
+    return write_probe(args, summary, records=records)
 
 
 if __name__ == "__main__":

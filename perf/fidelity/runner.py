@@ -126,6 +126,15 @@ def open_probe(args: argparse.Namespace):
     return data, cache, select_questions(data, args.limit)
 
 
+def write_probe(args: argparse.Namespace, summary: dict, **detail) -> int:
+    """Write a probe's ``{"settings", "summary", **detail}`` to ``args.out`` and print the summary."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+                                    **detail}, indent=1), encoding="utf-8")
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
 def select_questions(data: ds.Dataset, limit: int | None) -> list[ds.Question]:
     """All questions, or ``limit`` of each kind spread evenly over the set, interleaved (one
     question of each kind and bundle in turn) so that any prefix of the run is a spread too."""
