@@ -284,29 +284,30 @@ class NativeDecoder:
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(h, (self.hidden,), layer.norm_in, self.eps)
             qkv = layer.qkv(x)
-            q = qkv[:, :self.q_size].view(n, self.q_heads, self.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.kv_heads, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size:].view(n, self.kv_heads, self.head_dim)
+            # q and k rotated together, in place in qkv, so that k and v stay adjacent there and
+            # go to the layer's rows in one copy
+            qk = qkv[:, :self.q_size + self.kv_size].view(n, self.q_heads + self.kv_heads, self.head_dim)
             if layer.q_norm is not None:
-                q = F.rms_norm(q, (self.head_dim,), layer.q_norm, self.eps)
-                k = F.rms_norm(k, (self.head_dim,), layer.k_norm, self.eps)
-            q = q * cos + q.roll(half, -1) * sin
-            k = k * cos + k.roll(half, -1) * sin
-            keys, values = data[index, 0], data[index, 1]
+                qk[:, :self.q_heads] = F.rms_norm(qk[:, :self.q_heads], (self.head_dim,), layer.q_norm, self.eps)
+                qk[:, self.q_heads:] = F.rms_norm(qk[:, self.q_heads:], (self.head_dim,), layer.k_norm, self.eps)
+            rolled = qk.roll(half, -1)
+            qk.mul_(cos).addcmul_(rolled, sin)
+            q = qk[:, :self.q_heads]
+            kv = qkv[:, self.q_size:].view(n, 2, self.kv_heads, self.head_dim).permute(1, 2, 0, 3)
+            layer_rows = data[index]
             if rows is None:
-                keys[:, start:start + n] = k.transpose(0, 1)
-                values[:, start:start + n] = v.transpose(0, 1)
+                layer_rows[:, :, start:start + n] = kv
             else:
-                keys.index_copy_(1, rows, k.transpose(0, 1).to(dtype))
-                values.index_copy_(1, rows, v.transpose(0, 1).to(dtype))
+                layer_rows.index_copy_(2, rows, kv.to(dtype))
+            keys, values = layer_rows[0], layer_rows[1]
             bias = biases.get(layer.window)
             if bias is None:
                 bias = biases[layer.window] = windowed_bias(spec, layer.window)
             out = self._attend(q, keys[:, :extent], values[:, :extent], bias, layer.scaling, extents, layer.window)
-            h = h + layer.o(out)
+            h.add_(layer.o(out))
             x = F.rms_norm(h, (self.hidden,), layer.norm_post, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h.add_(layer.down(F.silu(gate) * up))
         if keep is not None:
             h = h.index_select(0, keep)
         return self.lm_head(F.rms_norm(h, (self.hidden,), self.norm, self.eps))
