@@ -174,36 +174,33 @@ class KVArena:
         return self.used_rows() - idle
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` rows: free ones, then new capacity while under ``max_rows``, then rows of idle
-        blocks (least recently used first) — idle blocks stay resident until the budget needs
-        their rows, so plain prompts and module prompts taking turns do not copy each other's
-        blocks in again. Raises ``MemoryError`` past ``max_rows`` (admission prevents it)."""
+        """``n`` rows: free ones, then rows of idle blocks (least recently used first), then new
+        capacity. Raises ``MemoryError`` past ``max_rows`` (admission prevents it)."""
         return self._handed_out(self._allocate(n))
 
     def _allocate(self, n: int) -> list[int]:
         rows = self.allocator.allocate(n)
+        while rows is None and self._evict_one_idle():
+            rows = self.allocator.allocate(n)
         if rows is None:
             self._grow(self.used_rows() + n)
-            rows = self.allocator.allocate(n)
-        while rows is None and self._evict_one_idle():
             rows = self.allocator.allocate(n)
         if rows is None:
             raise MemoryError(f"KV arena: {n} rows requested, {self.allocator.free_rows} free of {self.max_rows}")
         return rows
 
     def allocate_run(self, n: int) -> list[int] | None:
-        """``n`` consecutive rows: a free run, else one made by growing (while under ``max_rows``)
-        or by dropping idle blocks (least recently used first); None when the budget leaves no
-        such run (the caller takes pieces)."""
+        """``n`` consecutive rows: a free run, else one made by dropping idle blocks (least recently
+        used first) or growing; None when the budget leaves no such run (the caller takes pieces)."""
         if n == 0:
             return []
         rows = self.allocator.allocate_run(n)
+        while rows is None and self._evict_one_idle():
+            rows = self.allocator.allocate_run(n)
         if rows is None:
             tail = self.allocator._free[-1] if self.allocator._free else None
             at_end = tail[1] - tail[0] if tail is not None and tail[1] == self.capacity else 0
             self._grow(self.capacity + n - at_end)
-            rows = self.allocator.allocate_run(n)
-        while rows is None and self._evict_one_idle():
             rows = self.allocator.allocate_run(n)
         return self._handed_out(rows)
 
