@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,8 +115,11 @@ def triton_ok() -> bool:
     return triton_runnable(DEV)
 
 
-def bench_gather() -> None:
-    L, H, D, dt = (32, 8, 128, torch.float16) if DEV.type == "cuda" else (2, 1, 8, torch.float16)
+def block_workload(dt: torch.dtype, delta=None):
+    """Eight KV blocks ``[L, 2, H, n, D]`` of ``dt`` (``--gather-mb`` in all on CUDA, tiny on CPU),
+    an ``out`` buffer with room for them, the host table placing them end to end (``delta(i)`` as
+    a fifth column when given) and a copy source/destination of the same bytes."""
+    L, H, D = (32, 8, 128) if DEV.type == "cuda" else (2, 1, 8)
     per_token = L * 2 * H * D * 2
     tokens = max(8, int(ARGS.gather_mb * 1e6 // per_token)) if DEV.type == "cuda" else 24
     nblk = 8
@@ -123,11 +127,19 @@ def bench_gather() -> None:
     tokens = n * nblk
     blocks = [torch.randn(L, 2, H, n, D, device=DEV, dtype=dt) for _ in range(nblk)]
     out = torch.empty(L, 2, H, tokens + 256, D, device=DEV, dtype=dt)
-    table_host = torch.tensor([[i, 0, i * n, n] for i in range(nblk)], dtype=torch.int32)
-    table = table_host.to(DEV)
+    rows = [[i, 0, i * n, n] + ([delta(i)] if delta else []) for i in range(nblk)]
+    table_host = torch.tensor(rows, dtype=torch.int64 if delta else torch.int32)
     nbytes = L * 2 * H * tokens * D * 2
     src = torch.empty(nbytes // 2, device=DEV, dtype=dt)
-    dst = torch.empty_like(src)
+    return SimpleNamespace(L=L, H=H, D=D, n=n, nblk=nblk, tokens=tokens, blocks=blocks, out=out,
+                           table_host=table_host, nbytes=nbytes, src=src, dst=torch.empty_like(src))
+
+
+def bench_gather() -> None:
+    w = block_workload(torch.float16)
+    n, tokens, blocks, out, table_host, nbytes = w.n, w.tokens, w.blocks, w.out, w.table_host, w.nbytes
+    table = table_host.to(DEV)
+    src, dst = w.src, w.dst
     cases = {"d2d copy (same bytes)": lambda: dst.copy_(src),
              "torch.cat (allocates)": lambda: torch.cat(blocks, dim=3),
              "gather torch path (copy_ per block)": lambda: ops.gather_concat(out, blocks, table_host, backend="torch")}
@@ -138,7 +150,7 @@ def bench_gather() -> None:
             out, blocks, table, n, "triton")
         ops.gather_concat(out, blocks, table, max_rows=n, backend="triton")
         assert torch.equal(out[:, :, :, :tokens], torch.cat(blocks, dim=3)), "gather mismatch"
-    report(f"gather-concat L={L} H={H} D={D} fp16, {tokens} tokens in {nblk} blocks", 2 * nbytes, cases)
+    report(f"gather-concat L={w.L} H={w.H} D={w.D} fp16, {tokens} tokens in {w.nblk} blocks", 2 * nbytes, cases)
 
 
 def bench_scatter() -> None:
@@ -206,20 +218,11 @@ def bench_rope() -> None:
 
 def bench_gather_rotate() -> None:
     """Compact placement's block copy: gather-concat that re-rotates keys by a per-range delta."""
-    L, H, D, dt = (32, 8, 128, torch.bfloat16) if DEV.type == "cuda" else (2, 1, 8, torch.bfloat16)
-    per_token = L * 2 * H * D * 2
-    tokens = max(8, int(ARGS.gather_mb * 1e6 // per_token)) if DEV.type == "cuda" else 24
-    nblk = 8
-    n = tokens // nblk
-    tokens = n * nblk
-    blocks = [torch.randn(L, 2, H, n, D, device=DEV, dtype=dt) for _ in range(nblk)]
-    out = torch.empty(L, 2, H, tokens + 256, D, device=DEV, dtype=dt)
-    table_host = torch.tensor([[i, 0, i * n, n, 1000 * i - 3000] for i in range(nblk)], dtype=torch.int64)
+    w = block_workload(torch.bfloat16, delta=lambda i: 1000 * i - 3000)
+    L, D, n, nblk, tokens = w.L, w.D, w.n, w.nblk, w.tokens
+    blocks, out, table_host, nbytes, src, dst = w.blocks, w.out, w.table_host, w.nbytes, w.src, w.dst
     table = table_host.to(DEV)
     inv = (1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEV).float() / D)))[None].repeat(L, 1)
-    nbytes = L * 2 * H * tokens * D * 2
-    src = torch.empty(nbytes // 2, device=DEV, dtype=dt)
-    dst = torch.empty_like(src)
     cases = {"d2d copy (same bytes)": lambda: dst.copy_(src),
              "gather-rotate torch path": lambda: ops.gather_rotate(out, blocks, table_host, inv, backend="torch"),
              "gather-concat then rerotate (torch)": lambda: (
@@ -236,7 +239,8 @@ def bench_gather_rotate() -> None:
         ops.gather_rotate(want, blocks, table_host, inv, backend="torch")
         err = (out[:, :, :, :tokens].float() - want[:, :, :, :tokens].float()).abs().max().item()
         print(f"\ngather-rotate triton vs torch path max abs diff (bf16): {err:.3e}")
-    res = report(f"gather-rotate L={L} H={H} D={D} bf16, {tokens} tokens in {nblk} moved blocks", 2 * nbytes, cases)
+    res = report(f"gather-rotate L={L} H={w.H} D={D} bf16, {tokens} tokens in {nblk} moved blocks", 2 * nbytes,
+                 cases)
     key = "gather-rotate triton (device table)"
     if key in res:
         share = res["d2d copy (same bytes)"] / res[key]
