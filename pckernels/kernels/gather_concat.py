@@ -78,6 +78,20 @@ def _meta_table(blocks: list[torch.Tensor], device: torch.device) -> torch.Tenso
 if HAS_TRITON:
 
     @triton.jit
+    def _source_rows(out_ptr, meta_ptr, blk, plane, H, src, r, META_W: tl.constexpr):
+        """For program plane ``plane`` (layer, k/v, head) of a launch over ``[L, 2, H, ...]``:
+        pointers ``[BLOCK_R, 1]`` to rows ``src + r`` of block ``blk`` (described in ``meta`` by its
+        base pointer and strides), that block's stride over ``d``, and ``l, kv, h``."""
+        l = (plane // (2 * H)).to(tl.int64)
+        kv = ((plane // H) % 2).to(tl.int64)
+        h = (plane % H).to(tl.int64)
+        meta = meta_ptr + blk * META_W
+        base = tl.load(meta).to(tl.pointer_type(out_ptr.dtype.element_ty))
+        rows = base + l * tl.load(meta + 1) + kv * tl.load(meta + 2) + h * tl.load(meta + 3) \
+            + (src + r)[:, None] * tl.load(meta + 4)
+        return rows, tl.load(meta + 5), l, kv, h
+
+    @triton.jit
     def _gather_concat_kernel(
         out_ptr, meta_ptr, table_ptr, H, D,
         so_l, so_kv, so_h, so_n, so_d,
@@ -90,21 +104,11 @@ if HAS_TRITON:
         src = tl.load(table_ptr + m * 4 + 1).to(tl.int64)
         dst = tl.load(table_ptr + m * 4 + 2).to(tl.int64)
         n = tl.load(table_ptr + m * 4 + 3).to(tl.int64)
-        l = (plane // (2 * H)).to(tl.int64)
-        kv = ((plane // H) % 2).to(tl.int64)
-        h = (plane % H).to(tl.int64)
-        meta = meta_ptr + blk * META_W
-        base = tl.load(meta).to(tl.pointer_type(out_ptr.dtype.element_ty))
-        s_l = tl.load(meta + 1)
-        s_kv = tl.load(meta + 2)
-        s_h = tl.load(meta + 3)
-        s_n = tl.load(meta + 4)
-        s_d = tl.load(meta + 5)
         r = chunk.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        src_rows, s_d, l, kv, h = _source_rows(out_ptr, meta_ptr, blk, plane, H, src, r, META_W)
         d = tl.arange(0, BLOCK_D)
         mask = (r < n)[:, None] & (d < D)[None, :]
-        src_off = l * s_l + kv * s_kv + h * s_h + (src + r)[:, None] * s_n + d[None, :] * s_d
-        vals = tl.load(base + src_off, mask=mask)
+        vals = tl.load(src_rows + d[None, :] * s_d, mask=mask)
         dst_off = l * so_l + kv * so_kv + h * so_h + (dst + r)[:, None] * so_n + d[None, :] * so_d
         tl.store(out_ptr + dst_off, vals, mask=mask)
 

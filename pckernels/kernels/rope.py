@@ -320,6 +320,7 @@ def gather_rotate_torch(out: torch.Tensor, blocks: list[torch.Tensor], table: to
 
 
 if HAS_TRITON:
+    from pckernels.kernels.gather_concat import _source_rows
 
     @triton.jit
     def _gather_rotate_kernel(
@@ -337,19 +338,9 @@ if HAS_TRITON:
         dst = tl.load(row + 2).to(tl.int64)
         n = tl.load(row + 3).to(tl.int64)
         delta = tl.load(row + 4).to(tl.float32)
-        l = (plane // (2 * H)).to(tl.int64)
-        kv = (plane // H) % 2
-        h = (plane % H).to(tl.int64)
-        meta = meta_ptr + blk * META_W
-        base = tl.load(meta).to(tl.pointer_type(out_ptr.dtype.element_ty))
-        s_l = tl.load(meta + 1)
-        s_kv = tl.load(meta + 2)
-        s_h = tl.load(meta + 3)
-        s_n = tl.load(meta + 4)
-        s_d = tl.load(meta + 5)
         r = chunk.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         mr = r < n
-        src_rows = base + l * s_l + kv * s_kv + h * s_h + (src + r)[:, None] * s_n
+        src_rows, s_d, l, kv, h = _source_rows(out_ptr, meta_ptr, blk, plane, H, src, r, META_W)
         dst_rows = l * so_l + kv * so_kv + h * so_h + (dst + r)[:, None] * so_n
         d = tl.arange(0, BLOCK_D)
         lo = half * 0
