@@ -75,6 +75,20 @@ def _meta_table(blocks: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return meta
 
 
+def device_table(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
+                 max_rows: int) -> tuple[torch.Tensor, int]:
+    """``table`` on ``out``'s device (contiguous) and the launch's row bound: a host table is
+    bounds-checked (its first four columns) and gives the bound when ``max_rows`` is ``-1``; a
+    device table is not checked (no sync) and falls back to ``cap``."""
+    if table.device.type == "cpu":
+        longest = check_table_host([e[:4] for e in table.tolist()], blocks, out.shape[3])
+        max_rows = longest if max_rows < 0 else max_rows
+        table = table.to(out.device, non_blocking=True)
+    elif max_rows < 0:
+        max_rows = out.shape[3]
+    return table.contiguous(), max_rows
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -125,15 +139,9 @@ def gather_concat_triton(
     if not blocks or table.shape[0] == 0:
         return
     L, _, H, cap, D = out.shape
-    if table.device.type == "cpu":
-        mr = check_table_host(table.tolist(), blocks, cap)
-        max_rows = mr if max_rows < 0 else max_rows
-        table = table.to(out.device, non_blocking=True)
-    elif max_rows < 0:
-        max_rows = cap
+    table, max_rows = device_table(out, blocks, table, max_rows)
     if max_rows == 0:
         return
-    table = table.contiguous()
     meta = _meta_table(blocks, out.device)
     ob = as_bits(out)
     block_d = next_pow2(D)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from pckernels.kernels._common import HAS_TRITON, INTERPRET, as_bits, count_launch, next_pow2, tl, triton
-from pckernels.kernels.gather_concat import _meta_table, check_table_host
+from pckernels.kernels.gather_concat import _meta_table, check_table_host, device_table
 
 try:
     from triton.language.extra import libdevice
@@ -379,15 +379,9 @@ def gather_rotate_triton(out: torch.Tensor, blocks: list[torch.Tensor], table: t
     if not blocks or table.shape[0] == 0:
         return
     L, _, H, cap, D = out.shape
-    if table.device.type == "cpu":
-        mr = check_table_host([e[:4] for e in table.tolist()], blocks, cap)
-        max_rows = mr if max_rows < 0 else max_rows
-        table = table.to(out.device, non_blocking=True)
-    elif max_rows < 0:
-        max_rows = cap
+    table, max_rows = device_table(out, blocks, table, max_rows)
     if max_rows == 0:
         return
-    table = table.contiguous()
     inv = inv_freq.to(out.device).contiguous()
     half = inv.shape[1]
     meta = _meta_table(blocks, out.device)
