@@ -89,6 +89,18 @@ def device_table(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Ten
     return table.contiguous(), max_rows
 
 
+def gather_grid(max_rows: int, entries: int, planes: int, D: int, tile: int,
+                what: str) -> tuple[tuple[int, int, int], int, int]:
+    """``(grid, BLOCK_R, BLOCK_D)`` of a gather launch: programs over (row chunks, table entries,
+    layer/k-v/head planes), ``BLOCK_R * BLOCK_D`` at most ``tile`` elements."""
+    block_d = next_pow2(D)
+    block_r = min(next_pow2(max_rows), max(1, tile // block_d))
+    grid = (triton.cdiv(max_rows, block_r), entries, planes)
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"{what} grid {grid} exceeds CUDA limits (table entries or L*2*H > 65535)")
+    return grid, block_r, block_d
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -144,11 +156,7 @@ def gather_concat_triton(
         return
     meta = _meta_table(blocks, out.device)
     ob = as_bits(out)
-    block_d = next_pow2(D)
-    block_r = min(next_pow2(max_rows), max(1, 8192 // block_d))
-    grid = (triton.cdiv(max_rows, block_r), table.shape[0], L * 2 * H)
-    if grid[1] > 65535 or grid[2] > 65535:
-        raise ValueError(f"gather grid {grid} exceeds CUDA limits (table entries or L*2*H > 65535)")
+    grid, block_r, block_d = gather_grid(max_rows, table.shape[0], L * 2 * H, D, 8192, "gather")
     count_launch("gather_concat")
     _gather_concat_kernel[grid](
         ob, meta, table, H, D, *ob.stride(), BLOCK_R=block_r, BLOCK_D=block_d, META_W=_META_W

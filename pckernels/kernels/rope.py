@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from pckernels.kernels._common import HAS_TRITON, INTERPRET, as_bits, count_launch, next_pow2, tl, triton
-from pckernels.kernels.gather_concat import _meta_table, check_table_host, device_table
+from pckernels.kernels.gather_concat import _meta_table, check_table_host, device_table, gather_grid
 
 try:
     from triton.language.extra import libdevice
@@ -387,11 +387,7 @@ def gather_rotate_triton(out: torch.Tensor, blocks: list[torch.Tensor], table: t
     meta = _meta_table(blocks, out.device)
     round_bf16 = INTERPRET and out.dtype == torch.bfloat16
     bits = as_bits(out) if round_bf16 else out
-    block_d = next_pow2(D)
-    block_r = min(next_pow2(max_rows), max(1, 4096 // block_d))
-    grid = (triton.cdiv(max_rows, block_r), table.shape[0], L * 2 * H)
-    if grid[1] > 65535 or grid[2] > 65535:
-        raise ValueError(f"gather-rotate grid {grid} exceeds CUDA limits (table entries or L*2*H > 65535)")
+    grid, block_r, block_d = gather_grid(max_rows, table.shape[0], L * 2 * H, D, 4096, "gather-rotate")
     count_launch("gather_rotate")
     _gather_rotate_kernel[grid](
         out, bits, meta, table, inv, H, D, half, *out.stride(), max(half, 1),
