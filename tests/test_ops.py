@@ -65,15 +65,22 @@ GATHER_CASES = [  # (L, H, D, block lengths, table rows)
 ]
 
 
-def run_gather(device, dtype, case, table_dtype, strided, backend, cap_extra=6):
-    L, H, D, lens, rows = case
-    cap = max(d + n for _, _, d, n in rows) + cap_extra
+def make_blocks(L, H, D, lens, dtype, device, strided):
+    """Random blocks ``[L, 2, H, n, D]`` of ``lens``; with ``strided`` every other one a
+    transposed view (heads and rows swapped in memory)."""
     blocks = []
     for i, n in enumerate(lens):
         b = randn(L, 2, H, n, D, dtype=dtype, device=device)
         if strided and i % 2 == 0:
             b = randn(L, 2, n, H, D, dtype=dtype, device=device).transpose(2, 3)
         blocks.append(b)
+    return blocks
+
+
+def run_gather(device, dtype, case, table_dtype, strided, backend, cap_extra=6):
+    L, H, D, lens, rows = case
+    cap = max(d + n for _, _, d, n in rows) + cap_extra
+    blocks = make_blocks(L, H, D, lens, dtype, device, strided)
     table = torch.tensor(rows, dtype=table_dtype).reshape(-1, 4)
     out = nan_buffer(L, 2, H, cap, D, dtype=dtype, device=device, strided=strided)
     expect = out.clone()
@@ -373,12 +380,7 @@ def run_gather_rotate(device, dtype, case, table_dtype, strided, backend, zero_l
     gets a zero ``inv_freq`` row, which must copy its keys bit-exactly."""
     L, H, D, half, lens, rows = case
     cap = max(d + n for _, _, d, n, _ in rows) + 5
-    blocks = []
-    for i, n in enumerate(lens):
-        b = randn(L, 2, H, n, D, dtype=dtype, device=device)
-        if strided and i % 2 == 0:
-            b = randn(L, 2, n, H, D, dtype=dtype, device=device).transpose(2, 3)
-        blocks.append(b)
+    blocks = make_blocks(L, H, D, lens, dtype, device, strided)
     inv = torch.stack([inv_freq_for(2 * half, 10000.0 * (1 + layer)) for layer in range(L)])
     if zero_layer is not None:
         inv[zero_layer] = 0

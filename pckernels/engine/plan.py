@@ -91,11 +91,10 @@ def _moved_tokens(prompt: ResolvedPrompt, variants: dict[str, str]) -> set[Token
         scope = [m for m in module_scope(schema, name, variants.get(name, "")) if m in imported and m in encoded]
         for index, (position, shift) in enumerate(zip(positions, shifts[name])):
             for other in scope:
-                first = firsts[other].get(shift)
-                if first is None:
-                    first = min((e for e, s in zip(encoded[other], shifts[other]) if s != shift), default=None)
-                    firsts[other][shift] = first if first is not None else -1
-                    first = firsts[other][shift]
+                if shift not in firsts[other]:
+                    firsts[other][shift] = min((e for e, s in zip(encoded[other], shifts[other]) if s != shift),
+                                               default=-1)
+                first = firsts[other][shift]
                 if 0 <= first <= position:
                     moved.add((name, index))
                     break

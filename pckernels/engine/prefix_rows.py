@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextvars
 import itertools
-
 from typing import Callable, TypeVar
 
 import torch
@@ -84,10 +83,7 @@ class _RowStates:
         whose rows start at a varying offset (so the self-check compares different addresses)."""
         target = _TARGET.get()
         if target is not None:
-            rows, placed = target
-            cache = BufferCache(RowsBuffer(rows, self.layout, growable=False))
-            cache.placed = placed
-            return cache
+            return BufferCache(RowsBuffer(target[0], self.layout, growable=False))
         lay = self.layout
         offset = next(self._offsets)
         data = torch.zeros((lay.num_layers, 2, lay.num_kv_heads, offset + 64, lay.head_dim), dtype=self.dtype,
@@ -106,11 +102,12 @@ class _RowStates:
 
     def restore(self, cache: BufferCache, kv_pieces: list, states) -> None:
         """Place the pieces (in token order) in rows ``0 ..`` with one gather-concat launch; pieces
-        within the tokens the rows already hold (``cache.placed``) are not copied."""
+        within the tokens the rows already hold (``placed`` of the running prefill) are not copied."""
         buf = cache.buffer
         total = sum(piece[0][0].shape[2] for piece in kv_pieces)
         buf.ensure(total)
-        placed = getattr(cache, "placed", 0)
+        target = _TARGET.get()
+        placed = target[1] if target is not None else 0
         blocks, table, row = [], [], 0
         for piece in kv_pieces:
             n = piece[0][0].shape[2]

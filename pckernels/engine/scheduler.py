@@ -421,30 +421,13 @@ class Scheduler:
         return active
 
     def _place(self, schema, ref, key):
-        """Copy one module block from the store (encoding it if no tier holds it) into new rows;
-        a moved block (``ref.shifts``) has its keys re-rotated on the way (one gather-rotate)."""
+        """Copy one module block ``[L, 2, H, n, D]`` from the store (encoding it if no tier holds it)
+        into new rows; a moved block's own-token runs (``ref.shifts``: ``(first, stop, delta)``) get
+        their new positions and, for RoPE keys, a turn by ``R(delta)`` on the way (one gather-rotate)."""
         tensor = self.engine.fetch_block(schema, ref.module, ref.scaffold, ref.geometry)
         block = self.arena.add_block(key, ref.n_rows)
         positions = self.engine.block_positions(schema, ref.module, ref.scaffold, ref.geometry)
-        if ref.shifts:
-            self._place_moved(tensor, block, positions, ref.shifts)
-        else:
-            table = []
-            src = 0
-            for start, stop in _ranges(block.rows):
-                table.append((0, src, start, stop - start))
-                src += stop - start
-            ops.gather_concat(self.arena.data, [tensor], torch.tensor(table, dtype=torch.int64))
-            self.arena.row_pos[block.index] = positions
-        self.counters["blocks_placed"] += 1
-        return block
-
-    def _place_moved(self, tensor: torch.Tensor, block, positions: torch.Tensor,
-                     shifts: tuple[tuple[int, int, int], ...]) -> None:
-        """Rows of ``tensor [L, 2, H, n, D]`` into ``block``'s arena rows, own-token runs moved by
-        their ``(first, stop, delta)`` shifts: RoPE keys turn by ``R(delta)`` (one gather-rotate),
-        keys without position (ALiBi) are copied; the rows get their new positions."""
-        rotation = self.engine.key_rotation()
+        shifts = ref.shifts or ((0, ref.n_rows, 0),)
         table = []
         src = 0
         for start, stop in _ranges(block.rows):
@@ -454,14 +437,19 @@ class Scheduler:
                     table.append((0, a, start + a - src, b - a, shift))
             src += stop - start
         rows = torch.tensor(table, dtype=torch.int64)
-        delta = torch.repeat_interleave(torch.tensor([s for _, _, s in shifts], dtype=torch.long),
-                                        torch.tensor([b - a for a, b, _ in shifts], dtype=torch.long))
-        if rotation.kind == "rope":
+        rotation = self.engine.key_rotation() if ref.shifts else None
+        if rotation is not None and rotation.kind == "rope":
             ops.gather_rotate(self.arena.data, [tensor], rows, rotation.inv_freq)
-        else:
+        else:  # unmoved, or moved keys without position (ALiBi): a plain copy
             ops.gather_concat(self.arena.data, [tensor], rows[:, :4].contiguous())
-        self.arena.row_pos[block.index] = positions + delta.to(positions.device)
-        self.counters["blocks_moved"] += 1
+        if ref.shifts:
+            delta = torch.repeat_interleave(torch.tensor([s for _, _, s in shifts], dtype=torch.long),
+                                            torch.tensor([b - a for a, b, _ in shifts], dtype=torch.long))
+            positions = positions + delta.to(positions.device)
+            self.counters["blocks_moved"] += 1
+        self.arena.row_pos[block.index] = positions
+        self.counters["blocks_placed"] += 1
+        return block
 
     def _start_prefix(self, handle: RequestHandle, generator, stopper) -> _Active | None:
         """Prefill a plain prompt exactly through the engine's prefix cache (alone), straight into a

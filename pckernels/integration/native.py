@@ -302,7 +302,7 @@ class NativeDecoder:
             keys, values = layer_rows[0], layer_rows[1]
             bias = biases.get(layer.window)
             if bias is None:
-                bias = biases[layer.window] = windowed_bias(spec, layer.window)
+                bias = biases[layer.window] = windowed_bias(spec, layer.window).to(h.dtype)
             out = self._attend(q, keys[:, :extent], values[:, :extent], bias, layer.scaling, extents, layer.window)
             h.add_(layer.o(out))
             x = F.rms_norm(h, (self.hidden,), layer.norm_post, self.eps)
@@ -321,7 +321,6 @@ class NativeDecoder:
         if n <= SMALL_QUERY:
             qg = (q * scaling).view(n, self.kv_heads, groups, self.head_dim).permute(1, 2, 0, 3).reshape(
                 self.kv_heads, groups * n, self.head_dim)
-            bias = bias.to(qg.dtype)
             if self.kv_heads <= PER_HEAD_MAX:
                 out = torch.stack([self._attend_head(qg[h], keys[h], values[h], bias, groups, n)
                                    for h in range(self.kv_heads)])

@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from pckernels.kernels._common import HAS_TRITON, INTERPRET, as_bits, count_launch, next_pow2, tl, triton
-from pckernels.kernels.gather_concat import _meta_table, check_table_host, device_table, gather_grid
+from pckernels.kernels.gather_concat import (_meta_table, check_gather_args, check_table_host, device_table,
+                                             gather_grid)
 
 try:
     from triton.language.extra import libdevice
@@ -259,8 +260,6 @@ def check_gather_rotate_args(out: torch.Tensor, blocks: list[torch.Tensor], tabl
     """Checks that need no device sync: ``out [L, 2, H, cap, D]`` fp32/fp16/bf16, blocks
     ``[L, 2, H, n_b, D]`` like it, ``table [M, 5]`` integer ``(block, src_row, dst_row, n_rows,
     delta)``, ``inv_freq [L, half]`` float32 with ``2 * half <= D``."""
-    from pckernels.kernels.gather_concat import check_gather_args
-
     if table.dim() != 2 or table.shape[1] != 5 or table.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"table must be an int32/int64 [M, 5] tensor, got {table.dtype} {tuple(table.shape)}")
     check_gather_args(out, blocks, table[:, :4])

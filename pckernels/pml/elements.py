@@ -14,6 +14,7 @@ from pckernels.pml.document import (
     element_content,
     is_valid_name,
 )
+from pckernels.pml.placement import PLACEMENTS
 
 XML_WHITESPACE = " \t\r\n"
 ROLE_TAGS = ("system", "user", "assistant")
@@ -39,7 +40,7 @@ def attributes(source: Source, element: etree._Element, allowed: tuple[str, ...]
 
 def check_placement(source: Source, element: etree._Element, value: str) -> str:
     """``value`` of a ``placement=`` attribute if it is ``schema`` or ``compact``, else a located ``PMLError``."""
-    if value not in ("schema", "compact"):
+    if value not in PLACEMENTS:
         raise source.error(f"placement={value!r} is not a placement; expected 'schema' (modules at their schema "
                            "positions) or 'compact' (modules laid out contiguously in the prompt's order)", element)
     return value

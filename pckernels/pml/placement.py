@@ -27,6 +27,7 @@ Keys are re-rotated from the encoding's positions to the prompt's when the block
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from pckernels.pml.model import ROOT, Schema, Segment
@@ -61,15 +62,7 @@ def unit_span(schema: Schema, module: str, scaffold: str = "") -> tuple[int, int
 
 def root_before(schema: Schema, position: int) -> int:
     """How many of the root's own tokens lie before schema position ``position``."""
-    root = schema.modules[ROOT].position_ids
-    lo, hi = 0, len(root)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if root[mid] < position:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    return bisect_left(schema.modules[ROOT].position_ids, position)
 
 
 def packed_shift(schema: Schema, module: str, scaffold: str = "") -> int:

@@ -97,7 +97,7 @@ class BlockKeys:
         self.memo_schemas = memo_schemas
         self._memo: OrderedDict[str, tuple[str, dict[tuple[str, str, str], BlockKey]]] = OrderedDict()
         self._lock = threading.RLock()
-        """schema digest -> (schema name, (module, scaffold) -> key), most recently used last."""
+        """schema digest -> (schema name, (module, scaffold, geometry) -> key), most recently used last."""
 
     def __call__(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> BlockKey:
         with self._lock:
