@@ -141,3 +141,33 @@ def test_bench_command_hands_its_arguments_to_the_suite():
     assert suite_root() == ROOT
     result = CliRunner().invoke(app, ["bench", "--help"])
     assert result.exit_code == 0 and "--quick" in result.output
+
+
+def test_decode_budget_takes_the_native_step_apart():
+    """perf.bench_decode on the tiny Llama: the step and its parts are measured, the parts are the
+    decoder's own (weights = its projections, attention = its ``_attend``), the kernels' rates are
+    positive; no timing assertions."""
+    from pckernels.integration.native import NativeDecoder
+    from perf import bench_decode
+
+    torch.manual_seed(0)
+    model = gpu_suite.random_llama(TINY_SHAPE, "cpu", torch.float32)
+    decoder = NativeDecoder.build(model, [None] * model.config.num_hidden_layers)
+    assert decoder is not None
+    calls = {"attend": 0}
+    original = decoder._attend
+
+    def counted(*args):
+        calls["attend"] += 1
+        return original(*args)
+
+    decoder._attend = counted
+    parts = bench_decode.budget(decoder, 37, repeats=2)
+    layers = len(decoder.layers)
+    assert calls["attend"] == 2 * (1 + 2) * layers  # the step and the attention part: a warm-up and 2 repeats
+    assert set(parts) == {"step", "weights", "attention", "rest"}
+    assert all(parts[name] > 0 for name in ("step", "weights", "attention"))
+    assert parts["rest"] == pytest.approx(parts["step"] - parts["weights"] - parts["attention"])
+    rates = bench_decode.kernels(decoder, 37, repeats=1, pool_bytes=1 << 20)
+    assert len(rates) == 5 and all(r > 0 for r in rates.values())
+    assert bench_decode.weight_bytes(decoder) == sum(p.weight.numel() * 4 for p in decoder.projections())
