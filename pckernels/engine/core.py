@@ -101,6 +101,12 @@ class PromptCache:
     keyed apart from fp32 ones). Needs the native forward (:mod:`pckernels.integration.native`);
     a ``ValueError`` otherwise.
 
+    ``lookahead``: draft tokens a greedy request verifies per decode step besides its own (prompt
+    lookup: the tokens that followed the answer's last few tokens where they occurred before in
+    the prompt or the answer; ``docs/engine.md``). 0 (default) decodes one token per step.
+    Several tokens per step read the weights and the KV once; the answer is greedy decoding's,
+    chosen from logits computed a few rows at a time (the same rounding caveat as batching).
+
     ``prefix_block_size``: tokens per block of plain prompts' exact prefix reuse (``complete``;
     default 256): a hit recomputes up to one block less a token; smaller blocks cost the cold
     read more forwards (``docs/prefix.md``).
@@ -117,7 +123,7 @@ class PromptCache:
                  model_id: str | None = None, kv_budget: int | str | None = None, max_queue: int = 256,
                  max_batch: int = 64, step_tokens: int = 2048, remote: RemoteTier | str | None = None,
                  remote_namespace: str = DEFAULT_NAMESPACE, matmul: str = "fp32",
-                 prefix_block_size: int = DEFAULT_PREFIX_BLOCK) -> None:
+                 prefix_block_size: int = DEFAULT_PREFIX_BLOCK, lookahead: int = 0) -> None:
         budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
         if remote is not None and not isinstance(remote, RemoteTier):
             remote = RemoteTier(remote, namespace=remote_namespace)
@@ -164,7 +170,8 @@ class PromptCache:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_ids = eos_ids
         self.scheduler = Scheduler(self, max_bytes=default_kv_budget(self.device) if kv_bytes is None else kv_bytes,
-                                   max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens)
+                                   max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens,
+                                   lookahead=lookahead)
         self._rotation: KeyRotation | None = None
         close_at_exit(self)
 
@@ -221,6 +228,18 @@ class PromptCache:
         return cls(model, tokenizer, device=dev, dtype=dt, name=name, store_dir=store_dir or None,
                    device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget,
                    model_id=model_id, remote=remote, remote_namespace=remote_namespace, **engine)
+
+    @property
+    def lookahead(self) -> int:
+        """Draft tokens a greedy request verifies per decode step (the class's ``lookahead``);
+        settable between requests."""
+        return self.scheduler.lookahead
+
+    @lookahead.setter
+    def lookahead(self, value: int) -> None:
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"lookahead must be an int >= 0, got {value!r}")
+        self.scheduler.lookahead = value
 
     @property
     def numerics(self) -> str:

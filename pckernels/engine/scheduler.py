@@ -35,6 +35,7 @@ import torch
 from pckernels import ops
 from pckernels.engine.arena import KVArena, _ranges
 from pckernels.engine.buffer import BufferCache
+from pckernels.engine.lookahead import NgramDrafter
 from pckernels.engine.request import Request, RequestHandle
 from pckernels.engine.result import GenerationResult
 from pckernels.engine.sampling import StopChecker, make_generator, select_token
@@ -81,6 +82,15 @@ class _Active:
     prefix_blocks: tuple | None = None
     """A plain prompt read into one run of rows: ``(block keys, first row, block size)``, remembered
     by the arena when its rows are freed."""
+    shown_decoded: int = 0
+    """Decoded-token rows already in ``own_visible`` (a rejected draft's rows stay there, hidden by
+    position until the tokens at those positions overwrite them)."""
+    drafter: NgramDrafter | None = None
+    """Its prompt-lookup drafts (greedy requests of a scheduler with ``lookahead``), made at its first
+    decode step."""
+    draft_room: int = 0
+    """Longest draft its next step may verify: halved when a draft is rejected outright, doubled
+    (up to the scheduler's ``lookahead``) when one is taken whole."""
 
     @property
     def request(self) -> Request:
@@ -128,14 +138,19 @@ class Scheduler:
     ``max_bytes``: the KV arena's budget;
     ``max_queue``: waiting requests before ``submit`` raises ``EngineBusyError``;
     ``max_batch``: running requests at once; ``step_tokens``: prompt tokens read per step;
-    ``idle_exit_s``: the thread stops after that long without work and restarts on demand.
+    ``idle_exit_s``: the thread stops after that long without work and restarts on demand;
+    ``lookahead``: draft tokens a greedy request's decode step may verify besides its own
+    (prompt lookup, :mod:`pckernels.engine.lookahead`; 0: none).
     """
 
     def __init__(self, engine, *, max_bytes: int, max_queue: int = 256, max_batch: int = 64,
-                 step_tokens: int = 2048, idle_exit_s: float = 5.0) -> None:
+                 step_tokens: int = 2048, idle_exit_s: float = 5.0, lookahead: int = 0) -> None:
         if max_queue < 1 or max_batch < 1 or step_tokens < 1:
             raise ValueError(f"need max_queue, max_batch and step_tokens >= 1, got {max_queue}, {max_batch}, "
                              f"{step_tokens}")
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        self.lookahead = lookahead
         self.engine = engine
         self.arena = KVArena(engine.layout, dtype=engine.dtype, device=engine.device, max_bytes=max_bytes)
         self.cache = BufferCache(self.arena)
@@ -517,9 +532,11 @@ class Scheduler:
         offset = 0
         for active in self._running:
             if not active.reading and active.pending is not None:
-                row = active.rows[len(active.new_tokens) + active.decoded_rows]
-                items.append(_Item(active, [active.pending], [active.next_pos], [row], offset, True, False))
-                offset += 1
+                tokens = [active.pending] + self._drafts(active)
+                first = len(active.new_tokens) + active.decoded_rows
+                items.append(_Item(active, tokens, list(range(active.next_pos, active.next_pos + len(tokens))),
+                                   active.rows[first:first + len(tokens)], offset, True, False))
+                offset += len(tokens)
         budget = self.step_tokens
         for active in self._running:
             if not active.reading:
@@ -541,6 +558,26 @@ class Scheduler:
                 break
         return items
 
+    def _drafts(self, active: _Active) -> list[int]:
+        """Tokens to verify after ``active``'s pending one: a prompt-lookup draft for greedy requests,
+        as long as its rows (``max_new_tokens``) and the model's positions leave room."""
+        params = active.request.params
+        if active.drafter is None:
+            active.draft_room = self.lookahead
+        room = min(active.draft_room, params.max_new_tokens - len(active.out_ids) - 1)
+        limit = self.engine.max_positions
+        if limit is not None:
+            room = min(room, limit - active.next_pos - 1)
+        if room < 1 or params.temperature != 0:
+            return []
+        if active.drafter is None:
+            active.drafter = NgramDrafter(list(active.request.prompt_token_ids))
+            active.drafter.extend(active.out_ids)
+        else:
+            known = len(active.drafter.tokens) - len(active.request.prompt_token_ids)
+            active.drafter.extend(active.out_ids[known:])
+        return active.drafter.propose(room)
+
     def _step(self) -> None:
         items = self._plan_step()
         if not items:
@@ -556,18 +593,44 @@ class Scheduler:
         self.counters["steps"] += 1
         self.batch_sizes[len(items)] += 1
         for item in items:
-            active = item.active
+            if not item.decode:
+                item.active.prefilled += len(item.tokens)
+        index = 0
+        for item in wanted:
             if item.decode:
-                active.decoded_rows += 1
-                active.next_pos += 1
+                self._verify(item, logits[index:index + len(item.tokens)])
+                index += len(item.tokens)
             else:
-                active.prefilled += len(item.tokens)
-        for index, item in enumerate(wanted):
-            self._choose(item.active, logits[index], first=not item.decode)
+                self._choose(item.active, logits[index], first=True)
+                index += 1
+
+    def _verify(self, item: _Item, logits: torch.Tensor) -> None:
+        """A decode item's tokens (the pending one, then a draft) were forwarded: choose after each
+        in turn, keeping the draft while it is what was chosen (``logits [len(item.tokens), vocab]``).
+        Rows of the rejected rest stay as they are: their positions hide them from every query
+        before the tokens at those positions overwrite them."""
+        active = item.active
+        drafts = item.tokens[1:]
+        accepted = 0
+        for index in range(len(item.tokens)):
+            active.decoded_rows += 1
+            active.next_pos += 1
+            if not self._choose(active, logits[index], first=False):
+                break
+            if index == len(drafts) or active.pending != drafts[index]:
+                break
+            accepted += 1
+        if drafts:
+            self.counters["draft_tokens"] += len(drafts)
+            self.counters["draft_accepted"] += accepted
+            if accepted == len(drafts):
+                active.draft_room = min(self.lookahead, 2 * active.draft_room)
+            elif accepted == 0:
+                active.draft_room = max(1, active.draft_room // 2)
 
     def _forward(self, items: list[_Item]) -> tuple[torch.Tensor, list[_Item]]:
         """One forward over the packed tokens of ``items``; logits ``[k, vocab]`` of the tokens that
-        choose a next token, and their items."""
+        choose a next token (a decode item's every token, a prompt's last), and their items."""
         device = self.engine.device
         arena = self.arena
         ids = torch.tensor([[t for item in items for t in item.tokens]], dtype=torch.long, device=device)
@@ -595,8 +658,10 @@ class Scheduler:
         bias = torch.full(allowed.shape, NEG_INF, dtype=self.engine.dtype, device=device)
         bias.masked_fill_(allowed, 0.0)
         wanted = [item for item in items if item.decode or item.last_of_prompt]
-        keep = torch.tensor([item.offset + len(item.tokens) - 1 for item in wanted], dtype=torch.long,
-                            device=device)
+        keep = torch.tensor([row for item in wanted
+                             for row in (range(item.offset, item.offset + len(item.tokens)) if item.decode
+                                         else (item.offset + len(item.tokens) - 1,))],
+                            dtype=torch.long, device=device)
         self.cache.prepare(rows=rows, start=0, extent=extent)
         logits = self.engine.adapter.forward(ids, positions[None], AttentionSpec(bias, positions, key_pos),
                                              self.cache, keep=keep)
@@ -606,7 +671,8 @@ class Scheduler:
         """Own rows written by this step become visible to the request (its live ones)."""
         active = item.active
         if item.decode:
-            fresh = item.rows
+            fresh = item.rows[max(0, active.shown_decoded - active.decoded_rows):]
+            active.shown_decoded = max(active.shown_decoded, active.decoded_rows + len(item.rows))
         elif active.live is not None:
             first = active.prefilled
             fresh = [row for row, live in zip(item.rows, active.live[first:first + len(item.rows)]) if live]
@@ -617,8 +683,9 @@ class Scheduler:
             active.own_visible = torch.cat([active.own_visible, add])
             active.max_row = max(active.max_row, max(fresh))
 
-    def _choose(self, active: _Active, logits: torch.Tensor, *, first: bool) -> None:
-        """Pick the request's next token from its ``logits [vocab]``; finish it or keep it going."""
+    def _choose(self, active: _Active, logits: torch.Tensor, *, first: bool) -> bool:
+        """Pick the request's next token from its ``logits [vocab]``; finish it (False) or keep it
+        going (True)."""
         params = active.request.params
         scores = logits.float()
         token = select_token(scores, temperature=params.temperature, top_p=params.top_p,
@@ -635,8 +702,9 @@ class Scheduler:
             done, reason = True, "length"
         if done:
             self._finish(active, reason)
-        else:
-            active.pending = token
+            return False
+        active.pending = token
+        return True
 
     def _finish(self, active: _Active, reason: str) -> None:
         if active in self._running:

@@ -85,9 +85,10 @@ class Peer:
         self.cached = list(ids)
         return answer
 
-    def decode(self, n: int) -> dict:
-        """``n`` greedy tokens after the last read: seconds for the ``n - 1`` forwards after the first."""
-        answer = self._ask(op="decode", n=n)
+    def decode(self, n: int, lookahead: int = 0) -> dict:
+        """``n`` greedy tokens after the last read: seconds for the forwards after the first; with
+        ``lookahead``, each verifying a prompt-lookup draft of up to that many tokens."""
+        answer = self._ask(op="decode", n=n, lookahead=lookahead)
         self.cached = self.cached + answer["tokens"][:-1]
         return answer
 

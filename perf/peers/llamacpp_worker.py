@@ -8,7 +8,10 @@ environment's Python and talks to it over stdin/stdout, one JSON object per line
 ``{"op": "prefill", "ids": [...]}``: a cold read of ``ids`` (the cache cleared first);
 ``{"op": "hit", "keep": K, "ids": [...]}``: keep the first ``K`` cached tokens (llama.cpp's own
 prefix reuse, as its server does) and read the rest of ``ids``;
-``{"op": "decode", "n": N}``: ``N`` greedy tokens one forward at a time after the last read.
+``{"op": "decode", "n": N}``: ``N`` greedy tokens one forward at a time after the last read;
+``{"op": "decode", "n": N, "lookahead": K}``: the same tokens with promptcache's prompt-lookup
+drafts (:mod:`pckernels.engine.lookahead`, loaded from its file: this interpreter has no torch)
+verified in one forward each, the rejected rows dropped from llama.cpp's cache.
 
 Each answer carries the seconds measured inside the worker (no pipe overhead) and the greedy
 tokens chosen, so both engines can be checked to answer the same token ids.
@@ -16,9 +19,13 @@ tokens chosen, so both engines can be checked to answer the same token ids.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
+from pathlib import Path
+
+LOOKAHEAD = Path(__file__).resolve().parents[2] / "pckernels" / "engine" / "lookahead.py"
 
 
 def _argmax(llm) -> int:
@@ -28,6 +35,52 @@ def _argmax(llm) -> int:
 
     logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
     return int(np.argmax(logits))
+
+
+def _drafter(tokens: list[int]):
+    spec = importlib.util.spec_from_file_location("promptcache_lookahead", LOOKAHEAD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.NgramDrafter(tokens)
+
+
+def _eval_rows(llm, tokens: list[int]) -> list[int]:
+    """Read ``tokens`` after the cache in one forward with logits for every row (``Llama.eval``
+    keeps only the last row's); the greedy token after each."""
+    import numpy as np
+
+    llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1)
+    past = llm.n_tokens
+    llm._batch.set_batch(batch=tokens, n_past=past, logits_all=True)
+    llm._ctx.decode(llm._batch)
+    llm.input_ids[past:past + len(tokens)] = tokens
+    llm.n_tokens += len(tokens)
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(len(tokens), llm.n_vocab()))
+    return [int(t) for t in logits.argmax(axis=1)]
+
+
+def _decode_lookahead(llm, n: int, lookahead: int) -> list[int]:
+    """``n`` greedy tokens, each step verifying a prompt-lookup draft as promptcache's scheduler
+    does (the same drafter and the same halving/doubling of its length)."""
+    tokens = [_argmax(llm)]
+    drafter = _drafter([int(t) for t in llm.input_ids[:llm.n_tokens]] + tokens)
+    room = lookahead
+    while len(tokens) < n:
+        drafts = drafter.propose(min(room, n - len(tokens) - 1))
+        chosen = _eval_rows(llm, [tokens[-1]] + drafts)
+        accepted = 0
+        for index, token in enumerate(chosen):
+            tokens.append(token)
+            drafter.extend([token])
+            if len(tokens) >= n or index == len(drafts) or token != drafts[index]:
+                break
+            accepted += 1
+        llm.n_tokens -= len(drafts) - accepted  # the next read drops the rejected rows' KV
+        if drafts and accepted == len(drafts):
+            room = min(lookahead, 2 * room)
+        elif drafts and accepted == 0:
+            room = max(1, room // 2)
+    return tokens[:n]
 
 
 def main() -> None:
@@ -61,6 +114,10 @@ def main() -> None:
                 llm._ctx.kv_cache_seq_rm(-1, keep, -1)
                 llm.eval(ids[keep:])
                 answer = {"seconds": time.perf_counter() - t0, "token": _argmax(llm)}
+            elif op == "decode" and request.get("lookahead"):
+                t0 = time.perf_counter()
+                tokens = _decode_lookahead(llm, request["n"], request["lookahead"])
+                answer = {"seconds": time.perf_counter() - t0, "tokens": tokens}
             elif op == "decode":
                 tokens = [_argmax(llm)]
                 t0 = time.perf_counter()

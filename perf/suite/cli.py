@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
                                            "(default: $PROMPTCACHE_LLAMACPP_PYTHON, then this one)")
     ap.add_argument("--peer-flash", action="store_true",
                     help="also run llama.cpp with flash attention (slower for it on these CPUs)")
+    ap.add_argument("--lookahead", type=int,
+                    help="the llamacpp experiment also decodes with prompt-lookup drafts of up to this many "
+                         "tokens, on both engines (PromptCache(lookahead=...))")
     ap.add_argument("--out", type=Path, help="output directory (default perf/results/<machine>/<preset>)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--resume", action="store_true",
@@ -82,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     config = SuiteConfig.named(preset).with_overrides(experiments=args.only, repeats=args.repeats,
                                                       ttft_repeats=args.ttft_repeats, lengths=args.lengths,
                                                       prefix_block_size=args.prefix_block, peer_python=args.llama_python,
-                                                      peer_threads=args.threads, peer_flash=args.peer_flash or None)
-    if args.only or args.repeats or args.ttft_repeats or args.lengths or args.prefix_block or args.matmul != "fp32" or args.peer_flash:
+                                                      peer_threads=args.threads, peer_flash=args.peer_flash or None,
+                                                      peer_lookahead=args.lookahead)
+    if (args.only or args.repeats or args.ttft_repeats or args.lengths or args.prefix_block or args.matmul != "fp32"
+            or args.peer_flash or args.lookahead):
         config.name = f"{preset}-custom"
     print(f"loading {args.model} …", flush=True)
     engine = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=False,

@@ -44,6 +44,8 @@ class SuiteConfig:
     peer_threads: int = 2
     peer_flash: bool = False
     """Also run llama.cpp with flash attention (slower for its hits and decode on these CPUs)."""
+    peer_lookahead: int = 0
+    """Also decode with prompt-lookup drafts of up to this many tokens, both engines (0: no)."""
     peer_python: str | None = None
     """A Python with llama-cpp-python (default: ``$PROMPTCACHE_LLAMACPP_PYTHON``, then this one)."""
     experiments: list[str] = field(default_factory=lambda: list(EXPERIMENTS))

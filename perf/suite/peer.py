@@ -15,7 +15,11 @@ Per context size, in interleaved rounds (each round: every configuration once):
 * **a few new tokens after the cached document**: a new question over the document read before
   (llama.cpp keeps the longest cached prefix, as its server does; promptcache: the document as a
   PML module, and plain ``complete()`` with exact prefix reuse);
-* **decode**: greedy tokens/s after it, ``decode_tokens`` tokens (promptcache: the module prompt).
+* **decode**: greedy tokens/s after it, ``decode_tokens`` tokens (promptcache: the module prompt
+  and ``complete()``); with ``peer_lookahead`` (``--lookahead K``) also with prompt-lookup drafts
+  of up to K tokens on both engines (the same drafter, :mod:`pckernels.engine.lookahead`), for
+  the listing instruction, which copies from the document, and for a free-form one
+  (``… lookahead K``, ``free: …`` rows).
 
 The first token of every hit is compared between the engines (same weights, same ids).
 """
@@ -32,11 +36,15 @@ from perf.suite.texts import archive, pml_escape, sized
 
 log = logging.getLogger(__name__)
 
+LOOKAHEAD_SETUPS = ("llama.cpp f32", "llama.cpp f32 kv f32")
+"""llama.cpp set-ups also measured with prompt-lookup drafts."""
+
 QUESTIONS = ("How many tons of copper did the mills grind?", "Which town counted the most carts of wool?", "In which year was the river bridge repaired in winter?",
              "Name a town that ground barley.", "How many carts of salt went to Corran?",
              "Which goods did Fenwick send most often?", "What happened in the spring of the first year?",
              "List the towns that shipped amber.", "Which year had the most tons of iron?")
 DECODE_INSTRUCTION = "List every year mentioned in the chronicle with the town and the goods, one per line."
+FREE_INSTRUCTION = "Write a short poem about the sea."
 
 
 def steps(bench: Bench) -> int:
@@ -50,7 +58,7 @@ def _prompts(bench: Bench, context: int) -> tuple[str, list[str]]:
     schema = (f'<schema name="peer-{context}"><system>Answer from the chronicle.\n<module name="doc">{doc}'
               f'</module></system></schema>')
     prompts = [f'<prompt schema="peer-{context}"><doc/><user>{q}</user><assistant/></prompt>'
-               for q in (*QUESTIONS, DECODE_INSTRUCTION)]
+               for q in (*QUESTIONS, FREE_INSTRUCTION, DECODE_INSTRUCTION)]
     return schema, prompts
 
 
@@ -103,10 +111,12 @@ class _Setups:
         peer.close()
         self.peers.pop(label, None)
 
-    def each(self, fn) -> dict:
-        """``{label: fn(peer)}`` for the set-ups still running."""
+    def each(self, fn, only: tuple[str, ...] | None = None) -> dict:
+        """``{label: fn(peer)}`` for the set-ups still running (of ``only``, if given)."""
         out = {}
         for label, peer in list(self.peers.items()):
+            if only is not None and label not in only:
+                continue
             try:
                 out[label] = fn(peer)
             except RuntimeError as exc:
@@ -155,20 +165,42 @@ def _context(bench: Bench, python: str, models: dict, setups: dict, context: int
             reference = hits.get("llama.cpp f32", {}).get("token")
             agree.append(module.token_ids[0] == plain.token_ids[0] == reference)
             bench.ticker.advance()
-            for label, answer in peers.each(lambda p: (p.hit(ids[-1]), p.decode(cfg.decode_tokens))[1]).items():
-                decode_rates.setdefault(label, []).append((cfg.decode_tokens - 1) / answer["seconds"])
-            decoded = engine.generate(prompts[-1], max_new_tokens=cfg.decode_tokens)
-            decode_rates.setdefault("promptcache module", []).append(
-                (len(decoded.token_ids) - 1) / max(decoded.total_s - decoded.ttft_s, 1e-9))
-            plain = engine.complete(ids[-1], max_new_tokens=cfg.decode_tokens)
-            decode_rates.setdefault("promptcache prefix", []).append(
-                (len(plain.token_ids) - 1) / max(plain.total_s - plain.ttft_s, 1e-9))
+            _decode(engine, peers, prompts[-1], ids[-1], cfg.decode_tokens, 0, "", decode_rates)
+            if cfg.peer_lookahead:
+                k = cfg.peer_lookahead
+                _decode(engine, peers, prompts[-1], ids[-1], cfg.decode_tokens, k, f" lookahead {k}", decode_rates)
+                _decode(engine, peers, prompts[-2], ids[-2], cfg.decode_tokens, 0, "", decode_rates, "free: ")
+                _decode(engine, peers, prompts[-2], ids[-2], cfg.decode_tokens, k, f" lookahead {k}", decode_rates,
+                        "free: ")
             bench.ticker.advance()
     finally:
         peers.close()
+    engine.lookahead = 0
     recomputed = len(ids[1]) - engine.complete(ids[1], max_new_tokens=1).cached_tokens  # never asked before
     return {"context_tokens": len(ids[0]), "question_tokens": len(ids[1]) - common_prefix(ids[0], ids[1]),
             "prefix_recomputed_tokens": recomputed,
             "seconds": {name: summarize(values) for name, values in samples.items()},
             "decode_tokens_per_s": {name: summarize(values) for name, values in decode_rates.items()},
             "first_token_agrees": sum(agree), "rounds": len(agree)}
+
+
+def _decode(engine, peers: _Setups, prompt: str, ids: list[int], tokens: int, lookahead: int, suffix: str,
+            rates: dict, prefix: str = "") -> None:
+    """Greedy tokens/s after ``prompt`` on every llama.cpp set-up but Q4_1 and flash attention
+    (plain decode: all of them) and on promptcache's module and prefix paths, with ``lookahead``."""
+    def decode(peer):
+        peer.hit(ids)
+        return peer.decode(tokens, lookahead)
+
+    for label, answer in peers.each(decode, LOOKAHEAD_SETUPS if lookahead else None).items():
+        rates.setdefault(f"{prefix}{label}{suffix}", []).append((len(answer["tokens"]) - 1) / answer["seconds"])
+    engine.lookahead = lookahead
+    try:
+        decoded = engine.generate(prompt, max_new_tokens=tokens)
+        rates.setdefault(f"{prefix}promptcache module{suffix}", []).append(
+            (len(decoded.token_ids) - 1) / max(decoded.total_s - decoded.ttft_s, 1e-9))
+        plain = engine.complete(ids, max_new_tokens=tokens)
+        rates.setdefault(f"{prefix}promptcache prefix{suffix}", []).append(
+            (len(plain.token_ids) - 1) / max(plain.total_s - plain.ttft_s, 1e-9))
+    finally:
+        engine.lookahead = 0
