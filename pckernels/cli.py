@@ -86,7 +86,9 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
         seed: Optional[int] = typer.Option(None, help="Sampling seed."),
         as_json: bool = typer.Option(False, "--json", help="Print the result fields as JSON."),
         device: Optional[str] = typer.Option(None), dtype: Optional[str] = typer.Option(None),
-        matmul: str = typer.Option("fp32", help="CPU matmul precision: fp32 or bf16 (docs/perf.md).")) -> None:
+        matmul: str = typer.Option("fp32", help="CPU matmul precision: fp32 or bf16 (docs/perf.md)."),
+        lookahead: int = typer.Option(0, min=0, help="Draft tokens a greedy decode step verifies besides its own "
+                                                     "(prompt lookup, docs/engine.md; 0: none).")) -> None:
     """Answer one PML prompt against a schema."""
     modes = ["cached", "baseline", "reference"] if mode == "compare" else [mode]
     if mode not in ("cached", "baseline", "reference", "compare"):
@@ -96,7 +98,7 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
     check_model_options(model, device, dtype)
     if "<" not in schema and not Path(schema).is_file():
         fail(f"no such schema file: {schema!r}")
-    cache = load_engine(model, device, dtype, matmul=matmul)
+    cache = load_engine(model, device, dtype, matmul=matmul, lookahead=lookahead)
     try:
         cache.add_schema(schema if "<" in schema else Path(schema))
         text = _text_or_file(prompt)

@@ -63,6 +63,8 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
           matmul: str = typer.Option("fp32", help="CPU matmul precision: fp32, or bf16 (oneDNN over packed bf16 "
                                                  "weights; faster, changes numerics: docs/perf.md)."),
           prefix_block: int = typer.Option(256, min=1, help="Tokens per block of plain prompts' exact prefix reuse."),
+          lookahead: int = typer.Option(0, min=0, help="Draft tokens a greedy request's decode step verifies besides "
+                                                       "its own (prompt lookup from its context; 0: none)."),
           log_level: str = typer.Option("info", help="debug, info, warning, error.")) -> None:
     """Serve the OpenAI API (chat, completions, models) plus PML schemas, tenants and /metrics."""
     import uvicorn
@@ -104,7 +106,7 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
     engine = load_engine(model, device, dtype, store_dir=store, device_budget=device_budget, host_budget=host_budget,
                          disk_budget=disk_budget, kv_budget=kv_budget, max_queue=max_queue, max_batch=max_batch,
                          remote=remote, remote_namespace=remote_namespace, matmul=matmul,
-                         prefix_block_size=prefix_block)
+                         prefix_block_size=prefix_block, lookahead=lookahead)
     try:
         app = create_app(engine, tenants=tenants, model_name=served_model_name or model, schemas_dir=schemas,
                          request_timeout=request_timeout or None, default_max_tokens=max_tokens)

@@ -128,6 +128,9 @@ def test_run_prints_paths_and_answers_with_brackets(model_dir, cache_dir, tmp_pa
     result = CliRunner().invoke(app, ["run", str(schema), prompt, "--mode", "compare", *common])
     assert result.exit_code == 0, result.output
     assert result.output.count(ANSWER) == 3
+    ahead = CliRunner().invoke(app, ["run", str(schema), prompt, "--mode", "compare", "--lookahead", "3", *common])
+    assert ahead.exit_code == 0 and ahead.output.count(ANSWER) == 3, ahead.output
+    assert CliRunner().invoke(app, ["run", str(schema), prompt, "--lookahead", "-1", *common]).exit_code == 2
     bad_prompt = '<prompt schema="guide"><nowhere/></prompt>'
     result = CliRunner().invoke(app, ["run", str(schema), bad_prompt, *common])
     assert_one_line_error(result, "unknown module 'nowhere'", after_loading=True)

@@ -122,7 +122,8 @@ def server(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     keys = tmp / "keys.json"
     keys.write_text(json.dumps({KEY_A: {"tenant": "a", "admin": True}, KEY_B: "b"}))
-    srv = Server(tmp, "--model", str(model_dir), "--api-keys", str(keys), *COMMON)
+    # with prompt-lookup drafts: every answer below must still equal the library's (no lookahead)
+    srv = Server(tmp, "--model", str(model_dir), "--api-keys", str(keys), "--lookahead", "4", *COMMON)
     yield srv
     code = srv.stop()
     assert code == 0, srv.output()
@@ -334,6 +335,7 @@ def test_metrics_parse_and_count(server):
     assert m["promptcache_prefix_queries_total{result=hit}"] > 0
     assert "promptcache_queue_depth" in m and "promptcache_store_hits_total{tier=device}" in m
     assert any(k.startswith("promptcache_batch_steps_total{size=") for k in m)
+    assert 0 <= m["promptcache_draft_tokens_total{outcome=accepted}"] <= m["promptcache_draft_tokens_total{outcome=verified}"]
 
 
 def test_a_flood_gets_429_with_retry_after_and_the_rest_is_answered(busy_server):

@@ -56,6 +56,11 @@ class _EngineCollector:
         for size, count in sched.get("batch_sizes", {}).items():
             steps.add_metric([str(size)], count)
         yield steps
+        drafts = CounterMetricFamily("promptcache_draft_tokens", "Lookahead draft tokens verified, and taken",
+                                     labels=["outcome"])
+        drafts.add_metric(["verified"], sched.get("draft_tokens", 0))
+        drafts.add_metric(["accepted"], sched.get("draft_accepted", 0))
+        yield drafts
         arena = sched.get("arena", {})
         yield _gauge("promptcache_kv_arena_rows_used", "KV arena rows in use", arena.get("used_rows", 0))
         yield _gauge("promptcache_kv_arena_bytes", "KV arena bytes allocated", arena.get("bytes", 0))
