@@ -38,21 +38,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STREAM_BYTES = 1 << 30
 
 
-class _Buffer:
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data = data
-
-
-class _Cache:
-    """What ``NativeDecoder.forward`` reads: one row written at ``T``, ``T + 1`` rows attended."""
-
-    def __init__(self, data: torch.Tensor, context: int) -> None:
-        self.buffer = _Buffer(data)
-        self.write_rows = None
-        self.write_start = context
-        self.extent = context + 1
-
-
 def stream_gbs(threads: int, repeats: int = 5) -> float:
     """GB/s of ``torch.sum`` over a 1 GiB fp32 buffer: the rate a step's reads can reach."""
     data = torch.ones(STREAM_BYTES // 4)
@@ -80,13 +65,15 @@ def peer_steps(machine: str) -> dict[int, dict[str, float]]:
 
 def budget(decoder, context: int, repeats: int) -> dict[str, float]:
     """Median ms of a decode step at ``context`` cached rows and of its parts (module docstring)."""
+    from pckernels.integration.adapters import AttentionSpec
+    from pckernels.integration.native import _ProbeCache
+
     layers = len(decoder.layers)
     data = torch.randn(layers, 2, decoder.kv_heads, context + 8, decoder.head_dim)
-    cache = _Cache(data, context)
+    cache = _ProbeCache(data)
+    cache.write_start, cache.extent = context, context + 1
     ids = torch.tensor([decoder.embed.shape[0] // 2])
     position = torch.tensor([context])
-    from pckernels.integration.adapters import AttentionSpec
-
     spec = AttentionSpec(torch.zeros(1, context + 1), position, torch.arange(context + 1))
     inputs = {width: torch.randn(1, width) for width in {p.weight.shape[1] for p in decoder.projections()}}
     q = torch.randn(1, decoder.q_heads, decoder.head_dim)

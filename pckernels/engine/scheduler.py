@@ -148,8 +148,6 @@ class Scheduler:
         if max_queue < 1 or max_batch < 1 or step_tokens < 1:
             raise ValueError(f"need max_queue, max_batch and step_tokens >= 1, got {max_queue}, {max_batch}, "
                              f"{step_tokens}")
-        if lookahead < 0:
-            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         self.lookahead = lookahead
         self.engine = engine
         self.arena = KVArena(engine.layout, dtype=engine.dtype, device=engine.device, max_bytes=max_bytes)
@@ -172,6 +170,17 @@ class Scheduler:
         modules per request would have taken."""
         """A ``cProfile.Profile`` enabled around the loop's work while set (perf's time breakdown)."""
         self.batch_sizes: collections.Counter = collections.Counter()
+
+    @property
+    def lookahead(self) -> int:
+        """Draft tokens a greedy request's decode step may verify besides its own (read per step)."""
+        return self._lookahead
+
+    @lookahead.setter
+    def lookahead(self, value: int) -> None:
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"lookahead must be an int >= 0, got {value!r}")
+        self._lookahead = value
 
     # -- the callers' side ----------------------------------------------------------------------------
 
@@ -570,12 +579,10 @@ class Scheduler:
             room = min(room, limit - active.next_pos - 1)
         if room < 1 or params.temperature != 0:
             return []
+        prompt = active.request.prompt_token_ids
         if active.drafter is None:
-            active.drafter = NgramDrafter(list(active.request.prompt_token_ids))
-            active.drafter.extend(active.out_ids)
-        else:
-            known = len(active.drafter.tokens) - len(active.request.prompt_token_ids)
-            active.drafter.extend(active.out_ids[known:])
+            active.drafter = NgramDrafter(list(prompt))
+        active.drafter.extend(active.out_ids[len(active.drafter.tokens) - len(prompt):])
         return active.drafter.propose(room)
 
     def _step(self) -> None:

@@ -75,18 +75,23 @@ def _meta_table(blocks: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return meta
 
 
-def device_table(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
-                 max_rows: int) -> tuple[torch.Tensor, int]:
-    """``table`` on ``out``'s device (contiguous) and the launch's row bound: a host table is
+def launch_tables(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
+                  max_rows: int) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+    """What a gather launch reads: ``table`` on ``out``'s device (contiguous), the launch's row
+    bound and the blocks' meta table; None when there is nothing to copy. A host table is
     bounds-checked (its first four columns) and gives the bound when ``max_rows`` is ``-1``; a
     device table is not checked (no sync) and falls back to ``cap``."""
+    if not blocks or table.shape[0] == 0:
+        return None
     if table.device.type == "cpu":
         longest = check_table_host([e[:4] for e in table.tolist()], blocks, out.shape[3])
         max_rows = longest if max_rows < 0 else max_rows
         table = table.to(out.device, non_blocking=True)
     elif max_rows < 0:
         max_rows = out.shape[3]
-    return table.contiguous(), max_rows
+    if max_rows == 0:
+        return None
+    return table.contiguous(), max_rows, _meta_table(blocks, out.device)
 
 
 def gather_grid(max_rows: int, entries: int, planes: int, D: int, tile: int,
@@ -148,13 +153,11 @@ def gather_concat_triton(
     host table, or falls back to ``cap`` for a device table (correct, more idle programs).
     The table is not bounds-checked when it already lives on the device (no sync).
     """
-    if not blocks or table.shape[0] == 0:
+    tables = launch_tables(out, blocks, table, max_rows)
+    if tables is None:
         return
+    table, max_rows, meta = tables
     L, _, H, cap, D = out.shape
-    table, max_rows = device_table(out, blocks, table, max_rows)
-    if max_rows == 0:
-        return
-    meta = _meta_table(blocks, out.device)
     ob = as_bits(out)
     grid, block_r, block_d = gather_grid(max_rows, table.shape[0], L * 2 * H, D, 8192, "gather")
     count_launch("gather_concat")

@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 
 from pckernels.kernels._common import HAS_TRITON, INTERPRET, as_bits, count_launch, next_pow2, tl, triton
-from pckernels.kernels.gather_concat import (_meta_table, check_gather_args, check_table_host, device_table,
-                                             gather_grid)
+from pckernels.kernels.gather_concat import check_gather_args, check_table_host, gather_grid, launch_tables
 
 try:
     from triton.language.extra import libdevice
@@ -375,15 +374,13 @@ if HAS_TRITON:
 def gather_rotate_triton(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
                          inv_freq: torch.Tensor, max_rows: int = -1) -> None:
     """Triton path: one launch for the whole table (``max_rows`` as in gather-concat's)."""
-    if not blocks or table.shape[0] == 0:
+    tables = launch_tables(out, blocks, table, max_rows)
+    if tables is None:
         return
+    table, max_rows, meta = tables
     L, _, H, cap, D = out.shape
-    table, max_rows = device_table(out, blocks, table, max_rows)
-    if max_rows == 0:
-        return
     inv = inv_freq.to(out.device).contiguous()
     half = inv.shape[1]
-    meta = _meta_table(blocks, out.device)
     round_bf16 = INTERPRET and out.dtype == torch.bfloat16
     bits = as_bits(out) if round_bf16 else out
     grid, block_r, block_d = gather_grid(max_rows, table.shape[0], L * 2 * H, D, 4096, "gather-rotate")

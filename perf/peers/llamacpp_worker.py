@@ -19,6 +19,7 @@ tokens chosen, so both engines can be checked to answer the same token ids.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import sys
@@ -37,11 +38,16 @@ def _argmax(llm) -> int:
     return int(np.argmax(logits))
 
 
-def _drafter(tokens: list[int]):
+@functools.cache
+def _lookahead_module():
     spec = importlib.util.spec_from_file_location("promptcache_lookahead", LOOKAHEAD)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.NgramDrafter(tokens)
+    return module
+
+
+def _drafter(tokens: list[int]):
+    return _lookahead_module().NgramDrafter(tokens)
 
 
 def _eval_rows(llm, tokens: list[int]) -> list[int]:

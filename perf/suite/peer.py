@@ -175,7 +175,6 @@ def _context(bench: Bench, python: str, models: dict, setups: dict, context: int
             bench.ticker.advance()
     finally:
         peers.close()
-    engine.lookahead = 0
     recomputed = len(ids[1]) - engine.complete(ids[1], max_new_tokens=1).cached_tokens  # never asked before
     return {"context_tokens": len(ids[0]), "question_tokens": len(ids[1]) - common_prefix(ids[0], ids[1]),
             "prefix_recomputed_tokens": recomputed,
