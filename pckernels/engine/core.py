@@ -23,13 +23,12 @@ from pckernels.engine.encoder import ModuleEncoder
 from pckernels.engine.options import check_load_options, resolve_device, resolve_dtype
 from pckernels.engine.plan import (BlockRef, RequestPlan, plan_request, plan_request_baseline,
                                    plan_request_reference, select_recompute)
-from pckernels.engine.request import PrefixPrefill, Request, RequestHandle, SamplingParams
-from pckernels.engine.result import GenerationResult
+from pckernels.engine.request import PrefixPrefill, Request, RequestHandle
 from pckernels.engine.scheduler import Scheduler
-from pckernels.engine.text import TextStream
 from pckernels.engine.threads import close_at_exit, in_fresh_thread
 from pckernels.integration.native import MATMULS
 from pckernels.errors import PMLError, PMLPromptTooLongError
+from pckernels.generation import GenerationResult, SamplingParams, TextStream, eos_token_ids
 from pckernels.integration.adapters import adapter_for
 from pckernels.integration.identity import model_fingerprint, weight_files
 from pckernels.integration.positions import KeyRotation, probe_key_rotation
@@ -164,11 +163,7 @@ class PromptCache:
         self.deviation = DeviationScores(self)
         self._prefix = None
         self._prefix_lock = threading.Lock()
-        eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
-        eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(tokenizer.eos_token_id)
-        self.eos_ids = eos_ids
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self.scheduler = Scheduler(self, max_bytes=default_kv_budget(self.device) if kv_bytes is None else kv_bytes,
                                    max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens,
                                    lookahead=lookahead)
@@ -427,7 +422,7 @@ class PromptCache:
         submitted = time.perf_counter()
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-        params = _params(max_new_tokens, temperature, top_p, stop, seed)
+        params = SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed)
         resolved = self.resolve(prompt, salt=salt)
         check_answerable(resolved, baseline=mode == "baseline")
         if resolved.placement == "compact" and mode != "baseline":
@@ -496,7 +491,7 @@ class PromptCache:
 
     def _text_stream(self, handle: RequestHandle, stops: list[str]) -> Iterator[str]:
         """Deltas that always extend to the final text: the tail that could still become a stop
-        string is held back (:class:`~pckernels.engine.text.TextStream`)."""
+        string is held back (:class:`~pckernels.generation.text.TextStream`)."""
         text = TextStream(self.tokenizer, stops)
         try:
             for token in handle:
@@ -518,7 +513,7 @@ class PromptCache:
         from pckernels.prefix.prompts import encode_prompt
 
         submitted = time.perf_counter()
-        params = _params(max_new_tokens, temperature, top_p, stop, seed)
+        params = SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed)
         if isinstance(prompt, ProgramCall):
             prompt = prompt.render(self.tokenizer)
         ids = encode_prompt(self.tokenizer, prompt)
@@ -557,11 +552,6 @@ def geometries_for(schema: Schema) -> tuple[str, ...]:
     placed compactly by default, else schema ones (a prompt asking for the other encodes what it
     reads on first use)."""
     return ("packed",) if schema.placement == "compact" else ("schema",)
-
-
-def _params(max_new_tokens, temperature, top_p, stop, seed) -> SamplingParams:
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    return SamplingParams(max_new_tokens, temperature, top_p, stops, seed)
 
 
 def _deadline(seconds: float | None) -> float | None:

@@ -17,27 +17,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pckernels.engine.plan import RequestPlan
-from pckernels.engine.result import GenerationResult
+from pckernels.generation import GenerationResult, SamplingParams
 
 _ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How tokens are chosen and when generation stops."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got temperature={self.temperature}, "
-                             f"top_p={self.top_p}")
 
 
 @dataclass

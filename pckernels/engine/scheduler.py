@@ -37,8 +37,7 @@ from pckernels.engine.arena import KVArena, _ranges
 from pckernels.engine.buffer import BufferCache
 from pckernels.engine.lookahead import NgramDrafter
 from pckernels.engine.request import Request, RequestHandle
-from pckernels.engine.result import GenerationResult
-from pckernels.engine.sampling import StopChecker, make_generator, select_token
+from pckernels.generation import GenerationResult, StopChecker, make_generator, select_token
 from pckernels.errors import DeadlineExceeded, EngineBusyError, RequestCancelled, RequestTooLargeError
 from pckernels.integration.adapters import AttentionSpec
 

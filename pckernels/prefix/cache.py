@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
 
-from pckernels.integration.identity import model_fingerprint
-from pckernels.engine.result import GenerationResult
-from pckernels.engine.sampling import StopChecker, make_generator, select_token
 from pckernels.errors import PromptTooLongError, UnsupportedModelError
+from pckernels.generation import GenerationResult, SamplingParams, TokenChoice, eos_token_ids
+from pckernels.integration.identity import model_fingerprint
 from pckernels.integration.adapters import ModelAdapter, adapter_for
 from pckernels.prefix.blocks import BlockStore, CachedEntry, block_keys, prompt_end_key
 from pckernels.prefix.prompts import Prompt, encode_prompt
@@ -177,23 +175,15 @@ class PrefixCache:
         :class:`~pckernels.errors.PromptTooLongError` when the prompt fills ``max_positions``;
         generation stops (``finish_reason="length"``) at the last position.
         """
-        started = time.perf_counter()
+        choice = TokenChoice(SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed), self.tokenizer,
+                             eos_token_ids(self.model, self.tokenizer) if self.tokenizer is not None else set(),
+                             max_positions=self.max_positions)
         prompt_ids = encode_prompt(self.tokenizer, prompt)
         prefill = self.prefill(prompt_ids, reuse=reuse)
         with torch.no_grad():
-            first_logits = prefill.logits.float()
-            generator = make_generator(seed)
-            token = select_token(first_logits, temperature=temperature, top_p=top_p, generator=generator)
-            ttft = time.perf_counter() - started
-            tokens, finish_reason = self._decode(prefill.cache, token, len(prompt_ids), max_new_tokens,
-                                                 temperature, top_p, generator, stop)
-        text = self._text(tokens, stop)
-        return GenerationResult(
-            text=text, token_ids=tokens, prompt_token_ids=prompt_ids, positions=list(range(len(prompt_ids))),
-            ttft_s=ttft, total_s=time.perf_counter() - started, cached_tokens=prefill.cached_tokens,
-            computed_tokens=len(prompt_ids) - prefill.cached_tokens, first_logits=first_logits.cpu(),
-            mode=prefill.mode, finish_reason=finish_reason,
-        )
+            self._decode(prefill.cache, prefill.logits, len(prompt_ids), choice)
+        return choice.result(prompt_ids, list(range(len(prompt_ids))), cached_tokens=prefill.cached_tokens,
+                             computed_tokens=len(prompt_ids) - prefill.cached_tokens, mode=prefill.mode)
 
     def check_length(self, num_tokens: int) -> None:
         """Raise :class:`~pckernels.errors.PromptTooLongError` when ``num_tokens`` prompt tokens leave
@@ -404,42 +394,15 @@ class PrefixCache:
                          **{self._states.cache_argument: cache})
         return out.logits[0, -1]
 
-    def _decode(self, cache, token: int, num_prompt_tokens: int, max_new_tokens: int, temperature: float,
-                top_p: float, generator, stop) -> tuple[list[int], str]:
-        """Greedy/sampled decoding one token per forward, identical in both modes."""
-        stopper = StopChecker(self.tokenizer, stop, self._eos_ids()) if self.tokenizer is not None else None
-        tokens: list[int] = []
-        finish_reason = "length"
-        for step in range(max_new_tokens):
-            tokens.append(token)
-            if stopper is not None:
-                done, reason = stopper.check(tokens)
-                if done:
-                    finish_reason = reason
-                    break
-            position = num_prompt_tokens + step
-            if step + 1 == max_new_tokens or (self.max_positions is not None and position >= self.max_positions):
-                break
-            step_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            logits = self._forward(cache, step_ids, position)
-            token = select_token(logits.float(), temperature=temperature, top_p=top_p, generator=generator)
-        return tokens, finish_reason
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.tokenizer, "eos_token_id", None),
-                       getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source is not None:
-                ids.update(int(t) for t in source)
-        return ids
-
-    def _text(self, tokens: list[int], stop) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return StopChecker(self.tokenizer, stop, set()).trim(text)
+    def _decode(self, cache, logits: torch.Tensor, position: int, choice: TokenChoice) -> None:
+        """Choose after the prompt's ``logits [vocab]``, then decode one token per forward from
+        ``position`` (the prompt's length) until ``choice`` ends; the same in both modes."""
+        while True:
+            token = choice.choose(logits, position)
+            if choice.done:
+                return
+            logits = self._forward(cache, torch.tensor([[token]], dtype=torch.long, device=self.device), position)
+            position += 1
 
     def _self_check(self) -> str | None:
         """``None`` when exact reuse works for this model, else the reason it is refused.

@@ -28,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pckernels.errors import (DeadlineExceeded, EngineBusyError, PMLError, PromptTooLongError, RequestCancelled,
                               RequestTooLargeError, UnknownSchemaError)
-from pckernels.server.generation import TextStream, Watcher
+from pckernels.generation import TextStream
+from pckernels.server.generation import Watcher
 from pckernels.server.metrics import ServerMetrics
 from pckernels.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SchemaUpload
 from pckernels.server.schemas import ENCODING, FAILED, SchemaRecord, SchemaRegistry

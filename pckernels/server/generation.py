@@ -2,7 +2,7 @@
 
 The scheduler runs on its own thread; a :class:`Watcher` registers a listener on the request's
 handle that wakes the loop (``call_soon_threadsafe``) after every token, so no thread is parked
-per request. Text deltas come from :class:`pckernels.engine.text.TextStream` (re-exported here).
+per request (text deltas come from :class:`pckernels.generation.text.TextStream`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import asyncio
 import time
 
 from pckernels.engine.request import RequestHandle
-from pckernels.engine.text import TextStream
-
-__all__ = ["TextStream", "Watcher"]
+__all__ = ["Watcher"]
 
 
 class Watcher:

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = probe_parser("python -m perf.fidelity.positions_probe", __doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=24)
     args = ap.parse_args(argv)
-    from pckernels.engine.sampling import StopChecker
+    from pckernels.generation import StopChecker
 
     data, cache, questions = open_probe(args)
     stopper = StopChecker(cache.tokenizer, ["\n", ". "], cache.eos_ids)

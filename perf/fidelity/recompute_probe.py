@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     args = ap.parse_args(argv)
     from pckernels.engine.plan import plan_request, stale_tokens
-    from pckernels.engine.request import Request, SamplingParams
+    from pckernels.engine.request import Request
+    from pckernels.generation import SamplingParams
 
     data, cache, questions = open_probe(args)
     params = SamplingParams(args.max_new_tokens, stop=("\n", ". "))

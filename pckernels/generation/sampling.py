@@ -1,8 +1,36 @@
-"""Token selection from logits: greedy, temperature and nucleus (top-p) sampling."""
+"""How a request's tokens are chosen: its :class:`SamplingParams`, and token selection from logits
+(greedy, temperature and nucleus / top-p sampling)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen and when generation stops."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got temperature={self.temperature}, "
+                             f"top_p={self.top_p}")
+
+    @classmethod
+    def of(cls, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+           stop: str | list[str] | tuple[str, ...] | None = None, seed: int | None = None) -> "SamplingParams":
+        """The parameters of the public API's arguments (``stop`` as one string or several)."""
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        return cls(max_new_tokens, temperature, top_p, stops, seed)
 
 
 def select_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0,
@@ -32,27 +60,3 @@ def make_generator(seed: int | None) -> torch.Generator | None:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
     return gen
-
-
-class StopChecker:
-    """Stops generation at EOS ids or when the decoded text ends with a stop string."""
-
-    def __init__(self, tokenizer, stop: str | list[str] | None, eos_ids: set[int]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
-        self.eos_ids = eos_ids
-
-    def check(self, token_ids: list[int]) -> tuple[bool, str]:
-        """``(done, reason)`` after appending ``token_ids[-1]``; reason is ``"eos"`` or ``"stop"``."""
-        if token_ids and token_ids[-1] in self.eos_ids:
-            return True, "eos"
-        if self.stop:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-            if any(s and s in text for s in self.stop):
-                return True, "stop"
-        return False, ""
-
-    def trim(self, text: str) -> str:
-        """Cut ``text`` at the first stop string."""
-        cut = min((text.find(s) for s in self.stop if s and s in text), default=-1)
-        return text if cut < 0 else text[:cut]

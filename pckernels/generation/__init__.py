@@ -1,0 +1,15 @@
+"""What every way of generating shares: sampling parameters and token selection, stop rules, the
+per-request token choice (the one decode loop's brain), streamed text and the result.
+
+A leaf: it imports nothing of promptcache's above :mod:`pckernels.errors`, so the prefix cache,
+the engine and the server all build on it without reaching into each other.
+"""
+
+from pckernels.generation.choice import TokenChoice
+from pckernels.generation.result import GenerationResult
+from pckernels.generation.sampling import SamplingParams, make_generator, select_token
+from pckernels.generation.stops import StopChecker, eos_token_ids
+from pckernels.generation.text import TextStream
+
+__all__ = ["GenerationResult", "SamplingParams", "StopChecker", "TextStream", "TokenChoice", "eos_token_ids",
+           "make_generator", "select_token"]

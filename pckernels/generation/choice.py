@@ -1,0 +1,89 @@
+"""One request's token choices: the one decode loop's brain, whoever runs the forwards.
+
+A :class:`TokenChoice` takes the logits of each step, picks the next token by the request's
+:class:`~pckernels.generation.sampling.SamplingParams` (its own seeded RNG), and says when the
+generation ends: an end-of-sequence id, a stop string, ``max_new_tokens``, or the model's last
+position. The engine's scheduler keeps one per running request; the single-caller
+:class:`~pckernels.prefix.PrefixCache` keeps one for its own loop. Both build their
+:class:`~pckernels.generation.result.GenerationResult` with :meth:`TokenChoice.result`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pckernels.generation.result import GenerationResult
+from pckernels.generation.sampling import SamplingParams, make_generator, select_token
+from pckernels.generation.stops import StopChecker
+
+
+class TokenChoice:
+    """The tokens one request has chosen and why it stopped (module docstring).
+
+    ``eos_ids``: ids that end the generation; ``max_positions``: positions the model takes
+    (``None``: no limit); ``started``: ``time.perf_counter()`` when the request arrived (its
+    time to first token counts from there). A ``tokenizer`` of ``None`` decodes no text and
+    checks no stop strings.
+    """
+
+    def __init__(self, params: SamplingParams, tokenizer, eos_ids: set[int], *, max_positions: int | None = None,
+                 started: float | None = None) -> None:
+        self.params = params
+        self.tokenizer = tokenizer
+        self.max_positions = max_positions
+        self.started = time.perf_counter() if started is None else started
+        self.generator = make_generator(params.seed)
+        self.stopper = StopChecker(tokenizer, list(params.stop) if tokenizer is not None else [], eos_ids)
+        self.token_ids: list[int] = []
+        self.first_logits: torch.Tensor | None = None
+        """float32 ``[vocab]`` (CPU): the logits that chose the first token."""
+        self.ttft = 0.0
+        self.finish_reason: str | None = None
+        """``"eos"``, ``"stop"`` or ``"length"`` once the generation has ended, else None."""
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0
+
+    def room(self) -> int:
+        """Tokens this request may still choose (``max_new_tokens`` less those chosen)."""
+        return self.params.max_new_tokens - len(self.token_ids)
+
+    def choose(self, logits: torch.Tensor, next_position: int) -> int:
+        """Pick the next token from ``logits [vocab]`` and return it; ``next_position`` is where it
+        would be forwarded. Sets :attr:`finish_reason` when the generation ends with it."""
+        scores = logits.float()
+        token = select_token(scores, temperature=self.params.temperature, top_p=self.params.top_p,
+                             generator=self.generator)
+        if not self.token_ids:
+            self.first_logits = scores.cpu()
+            self.ttft = time.perf_counter() - self.started
+        self.token_ids.append(token)
+        done, reason = self.stopper.check(self.token_ids)
+        if not done and (len(self.token_ids) >= self.params.max_new_tokens
+                         or (self.max_positions is not None and next_position >= self.max_positions)):
+            done, reason = True, "length"
+        if done:
+            self.finish_reason = reason
+        return token
+
+    def text(self) -> str:
+        """The answer's text, cut at the first stop string (``""`` without a tokenizer)."""
+        if self.tokenizer is None:
+            return ""
+        return self.stopper.trim(self.tokenizer.decode(self.token_ids, skip_special_tokens=True))
+
+    def result(self, prompt_token_ids: list[int], positions: list[int], *, cached_tokens: int,
+               computed_tokens: int, mode: str) -> GenerationResult:
+        """The finished generation as a :class:`GenerationResult`."""
+        return GenerationResult(
+            text=self.text(), token_ids=self.token_ids, prompt_token_ids=list(prompt_token_ids),
+            positions=list(positions), ttft_s=self.ttft, total_s=time.perf_counter() - self.started,
+            cached_tokens=cached_tokens, computed_tokens=computed_tokens, first_logits=self.first_logits,
+            mode=mode, finish_reason=self.finish_reason or "length")
