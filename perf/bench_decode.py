@@ -65,7 +65,7 @@ def peer_steps(machine: str) -> dict[int, dict[str, float]]:
 
 def budget(decoder, context: int, repeats: int) -> dict[str, float]:
     """Median ms of a decode step at ``context`` cached rows and of its parts (module docstring)."""
-    from pckernels.integration.adapters import AttentionSpec
+    from pckernels.integration.attention import AttentionSpec
     from pckernels.integration.native import _ProbeCache
 
     layers = len(decoder.layers)

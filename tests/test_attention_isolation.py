@@ -16,8 +16,9 @@ import torch
 from transformers import DynamicCache
 
 from family_models import BY_NAME
-from pckernels.integration import adapters
-from pckernels.integration.adapters import ATTENTION, adapter_for
+from pckernels.integration import attention
+from pckernels.integration.adapters import adapter_for
+from pckernels.integration.attention import ATTENTION
 from test_cpu_attention import long_prompt
 from test_families import prompt_cache, tokenizer  # noqa: F401  (fixture)
 
@@ -145,7 +146,7 @@ def test_falcon_alibi_builder_is_hf_s_outside_promptcache_forwards(tokenizer):  
     assert modeling.build_alibi_tensor is builder
     mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
     assert torch.equal(builder(mask, 4, torch.float32), builder.__wrapped__(mask, 4, torch.float32))
-    assert adapters.current_forward() is None
+    assert attention.current_forward() is None
 
 
 def test_an_unattached_adapter_leaves_the_model_alone(tokenizer):  # noqa: F811

@@ -3,7 +3,7 @@
 import torch
 
 from pckernels.engine.buffer import AssemblyBuffer, Placement
-from pckernels.integration.adapters import KVLayout
+from pckernels.integration.attention import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from family_models import FAMILIES
-from pckernels.integration import adapters
-from pckernels.integration.adapters import visible_extents
+from pckernels.integration import attention
+from pckernels.integration.attention import visible_extents
 from test_engine import PROMPTS
 from test_families import FP32_TOL, prompt_cache, tokenizer  # noqa: F401  (fixture)
 
@@ -72,7 +72,7 @@ def test_chunked_path_is_taken_and_cuts_keys(tokenizer, monkeypatch):  # noqa: F
     """On an SDPA model the long forward is split into runs of at most ``query_chunk`` queries,
     the earlier runs over fewer keys than the whole forward."""
     pc = prompt_cache("llama", tokenizer, native=False)
-    assert pc.model.config._attn_implementation == adapters.ATTENTION
+    assert pc.model.config._attn_implementation == attention.ATTENTION
     shapes = []
     original = torch.nn.functional.scaled_dot_product_attention
 

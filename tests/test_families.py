@@ -19,8 +19,8 @@ from family_models import BY_NAME, FAMILIES, WINDOW
 from pckernels import PMLError, UnsupportedModelError
 from pckernels.engine import PromptCache
 from pckernels.engine.plan import plan_request
-from pckernels.integration.adapters import AttentionSpec, adapter_for, probe_kv_layout, supported_families, \
-    windowed_bias
+from pckernels.integration.adapters import adapter_for, probe_kv_layout, supported_families
+from pckernels.integration.attention import AttentionSpec, windowed_bias
 from test_engine import PROMPTS, SCHEMA
 
 FP32_TOL = 1e-3

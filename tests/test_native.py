@@ -23,7 +23,8 @@ from family_models import BY_NAME, FAMILIES
 from pckernels.engine import PromptCache
 from pckernels.engine.buffer import AssemblyBuffer, BufferCache
 from pckernels.integration import native as native_mod
-from pckernels.integration.adapters import AttentionSpec, adapter_for
+from pckernels.integration.adapters import adapter_for
+from pckernels.integration.attention import AttentionSpec
 from pckernels.integration.native import NativeDecoder, bf16_matmul_supported
 from test_engine import PROMPTS, SCHEMA
 from test_families import FP32_TOL, hf_forward, prompt_cache, tokenizer  # noqa: F401  (fixture)

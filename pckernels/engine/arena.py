@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pckernels.integration.adapters import KVLayout
+from pckernels.integration.attention import KVLayout
 
 GROWTH_ROUND = 256
 

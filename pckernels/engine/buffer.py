@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pckernels import ops
-from pckernels.integration.adapters import AttentionSpec, KVLayout
+from pckernels.integration.attention import AttentionSpec, KVLayout
 
 NEG_INF = float("-inf")
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pckernels.engine.buffer import AssemblyBuffer, BufferCache
-from pckernels.integration.adapters import AttentionSpec
+from pckernels.integration.attention import AttentionSpec
 from pckernels.pml.model import Schema
 
 if TYPE_CHECKING:

@@ -21,7 +21,8 @@ import torch
 
 from pckernels import ops
 from pckernels.engine.buffer import AssemblyBuffer, BufferCache, Placement
-from pckernels.integration.adapters import KVLayout, ModelAdapter
+from pckernels.integration.adapters import ModelAdapter
+from pckernels.integration.attention import KVLayout
 from pckernels.pml.model import ROOT, Schema
 from pckernels.pml.placement import encoded_positions, root_before, unit_span
 from pckernels.store import BlockKey, TieredStore

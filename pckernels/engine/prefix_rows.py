@@ -23,7 +23,7 @@ import torch
 
 from pckernels import ops
 from pckernels.engine.buffer import BufferCache
-from pckernels.integration.adapters import AttentionSpec, KVLayout
+from pckernels.integration.attention import AttentionSpec, KVLayout
 from pckernels.prefix import PrefixCache
 from pckernels.prefix.blocks import BlockKV
 from pckernels.prefix.cache import Prefill

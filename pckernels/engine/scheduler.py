@@ -39,7 +39,7 @@ from pckernels.engine.lookahead import NgramDrafter
 from pckernels.engine.request import Request, RequestHandle
 from pckernels.generation import GenerationResult, StopChecker, make_generator, select_token
 from pckernels.errors import DeadlineExceeded, EngineBusyError, RequestCancelled, RequestTooLargeError
-from pckernels.integration.adapters import AttentionSpec
+from pckernels.integration.attention import AttentionSpec
 
 log = logging.getLogger(__name__)
 

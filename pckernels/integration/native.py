@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pckernels.integration.adapters import AttentionSpec, _sdpa, visible_extents, windowed_bias
+from pckernels.integration.attention import QUERY_CHUNK, AttentionSpec, sdpa, visible_extents, windowed_bias
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,9 @@ MATMULS = ("fp32", "bf16")
 
 SMALL_QUERY = 64
 """Query rows up to which attention is one batched matmul per layer over the visible extent
-(decode and short forwards); longer forwards use SDPA in ``QUERY_CHUNK``-row pieces."""
+(decode and short forwards); longer forwards use SDPA in ``QUERY_CHUNK``-row pieces
+(:data:`~pckernels.integration.attention.QUERY_CHUNK`)."""
 
-QUERY_CHUNK = 256
 
 PER_HEAD_MAX = 4
 """With this many KV heads or fewer, short-forward attention runs one matmul pair per head (each
@@ -337,7 +337,7 @@ class NativeDecoder:
         pieces = []
         for index, stop in enumerate(extents[window]):
             first, last = index * QUERY_CHUNK, min(index * QUERY_CHUNK + QUERY_CHUNK, n)
-            pieces.append(_sdpa(query[:, :, first:last], key[:, :, :stop], value[:, :, :stop],
+            pieces.append(sdpa(query[:, :, first:last], key[:, :, :stop], value[:, :, :stop],
                                 mask[:, :, first:last, :stop], scaling, True))
         return torch.cat(pieces, dim=1)[0].reshape(n, self.q_size)
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from pckernels.integration.adapters import AttentionSpec, ModelAdapter
+from pckernels.integration.adapters import ModelAdapter
+from pckernels.integration.attention import AttentionSpec
 from pckernels.kernels.reference import rerotate_keys_ref
 
 PROBE_TOKENS = 5

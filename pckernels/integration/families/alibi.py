@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from pckernels.integration.adapters import ModelAdapter, current_forward, register_adapter
+from pckernels.integration.adapters import ModelAdapter, register_adapter
+from pckernels.integration.attention import current_forward
 
 
 class _AlibiAdapter(ModelAdapter):

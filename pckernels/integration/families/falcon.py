@@ -18,7 +18,8 @@ import threading
 
 import torch
 
-from pckernels.integration.adapters import ModelAdapter, current_forward, register_adapter
+from pckernels.integration.adapters import ModelAdapter, register_adapter
+from pckernels.integration.attention import current_forward
 
 _install_lock = threading.Lock()
 
