@@ -115,8 +115,7 @@ def test_spilled_blocks_come_back_bitwise(tokenizer):  # noqa: F811
     fresh = pc.complete(prompt, max_new_tokens=NEW, reuse=False)
     pc.complete(base + doc(tokenizer, 11, 3), max_new_tokens=NEW)
     prefix = pc.prefix
-    prefix._store.budget_bytes = 0
-    prefix._store.evict_to_budget()
+    prefix.evict(prefix.stats()["bytes"])
     assert prefix.stats()["entries"] == 0 and prefix.stats()["spilled_blocks"] > 0
     hit = pc.complete(prompt, max_new_tokens=NEW)
     assert prefix.stats()["restored_blocks"] > 0 and hit.cached_tokens > 0

@@ -201,8 +201,8 @@ def test_refuses_sliding_window_layers(tokenizer, caplog):
 def test_self_check_refuses_inexact_restore(tokenizer, monkeypatch):
     restore = CacheStates.restore
 
-    def perturbed(self, cache, kv_pieces, states):
-        restore(self, cache, kv_pieces, states)
+    def perturbed(self, cache, kv_pieces, states, placed=0):
+        restore(self, cache, kv_pieces, states, placed)
         for layer in cache.layers:
             if getattr(layer, "recurrent_states", None) and layer.recurrent_states[0] is not None:
                 layer.recurrent_states[0].mul_(1 + 1e-6)
@@ -308,3 +308,40 @@ def test_block_store_refcounts_and_lru():
         store.release(d)
     store.clear()
     assert len(store) == 0 and store.bytes == 0
+
+
+def test_match_holds_what_it_found_until_released(tokenizer):
+    """The typed interface: ``match`` finds the longest resumable chain (or the whole prompt) and
+    holds it from ``evict``; ``release`` lets it go; ``insert``/``acquire`` hold entries too."""
+    cache = PrefixCache(tiny_model("llama", len(tokenizer)), tokenizer, block_size=BLOCK)
+    ids = encode_prompt(tokenizer, system_prompt(2) + " " + system_prompt(3))
+    miss = cache.match(ids)
+    assert miss.chain == [] and miss.held is None and miss.cached_tokens == 0 and miss.end is None
+    assert len(miss.keys) == len(ids) // BLOCK and miss.keys == cache.chain_keys(ids)
+    cache.prefill(ids)
+    stored = cache.stats()["bytes"]
+    assert stored > 0
+
+    repeat = cache.match(ids)
+    assert repeat.end is not None and repeat.held is repeat.end and repeat.chain[-1] is repeat.end
+    longer = cache.match(ids + [5, 6, 7])
+    assert longer.end is None and longer.cached_tokens == len(ids) // BLOCK * BLOCK
+    assert longer.chain == repeat.chain[:len(longer.chain)]
+    assert cache.evict(stored) == 0, "held chains are not evictable"
+    cache.release(repeat.held)
+    freed = cache.evict(stored)
+    assert 0 < freed < stored, "only the prompt end (held by nobody now) goes"
+    cache.release(longer.held)
+    assert cache.evict(stored) == stored - freed and cache.stats()["entries"] == 0
+
+    cache.prefill(ids)
+    found = cache.match(ids)
+    again = cache.insert(CachedEntry(key=found.end.key, parent=None, start=0, num_tokens=1, kv=[]))
+    assert again is found.end, "a stored name wins, returned held"
+    cache.release(found.held)
+    assert cache.evict(1 << 40) == 0
+    cache.acquire(again)
+    cache.release(again)
+    assert cache.evict(1 << 40) == 0
+    cache.release(again)
+    assert cache.evict(1 << 40) == stored and cache.stats()["entries"] == 0

@@ -15,7 +15,6 @@ offset than the original. Computed full blocks are copied out of the rows into t
 
 from __future__ import annotations
 
-import contextvars
 import itertools
 from typing import Callable, TypeVar
 
@@ -26,17 +25,11 @@ from pckernels.engine.buffer import BufferCache
 from pckernels.integration.attention import AttentionSpec, KVLayout
 from pckernels.prefix import PrefixCache
 from pckernels.prefix.blocks import BlockKV
-from pckernels.prefix.cache import Prefill
+from pckernels.prefix.base import Prefill
 from pckernels.prefix.states import KV
 
 NEG_INF = float("-inf")
 T = TypeVar("T")
-
-_TARGET: contextvars.ContextVar[tuple[torch.Tensor, int] | None] = contextvars.ContextVar(
-    "promptcache_prefix_rows", default=None)
-"""Rows ``[L, 2, H, n, D]`` (a view of the arena) the prefill running in this context reads into,
-and how many leading tokens they already hold."""
-
 
 class RowsBuffer:
     """``data [L, 2, H, capacity, D]``: the rows a prompt's states occupy (an arena view or a
@@ -78,12 +71,11 @@ class _RowStates:
         self.kinds = [KV] * layout.num_layers
         self._offsets = itertools.cycle((0, 5, 2))
 
-    def new_cache(self) -> BufferCache:
-        """A cache over the rows bound by :meth:`EnginePrefixCache.prefill`, or a private buffer
+    def new_cache(self, rows: torch.Tensor | None = None) -> BufferCache:
+        """A cache over ``rows`` (``[L, 2, H, >= n, D]``, a view of the arena), or a private buffer
         whose rows start at a varying offset (so the self-check compares different addresses)."""
-        target = _TARGET.get()
-        if target is not None:
-            return BufferCache(RowsBuffer(target[0], self.layout, growable=False))
+        if rows is not None:
+            return BufferCache(RowsBuffer(rows, self.layout, growable=False))
         lay = self.layout
         offset = next(self._offsets)
         data = torch.zeros((lay.num_layers, 2, lay.num_kv_heads, offset + 64, lay.head_dim), dtype=self.dtype,
@@ -100,14 +92,12 @@ class _RowStates:
     def recurrent_snapshot(self, cache) -> list:
         return [None] * self.layout.num_layers
 
-    def restore(self, cache: BufferCache, kv_pieces: list, states) -> None:
+    def restore(self, cache: BufferCache, kv_pieces: list, states, placed: int = 0) -> None:
         """Place the pieces (in token order) in rows ``0 ..`` with one gather-concat launch; pieces
-        within the tokens the rows already hold (``placed`` of the running prefill) are not copied."""
+        within the first ``placed`` tokens (the rows already hold them) are not copied."""
         buf = cache.buffer
         total = sum(piece[0][0].shape[2] for piece in kv_pieces)
         buf.ensure(total)
-        target = _TARGET.get()
-        placed = target[1] if target is not None else 0
         blocks, table, row = [], [], 0
         for piece in kv_pieces:
             n = piece[0][0].shape[2]
@@ -160,20 +150,14 @@ class EnginePrefixCache(PrefixCache):
 
     def prefill(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
                 rows: torch.Tensor | None = None, placed: int = 0) -> Prefill:
-        """As :meth:`PrefixCache.prefill`; with ``rows`` (``[L, 2, H, >= n, D]``, a view of the
-        arena) the prompt's states are read into those rows, row i holding token i. ``placed``:
-        the first tokens whose states the rows already hold (left from an earlier request that
-        read the same blocks there); stored blocks are not copied over them."""
-        def read() -> Prefill:
-            token = _TARGET.set(None if rows is None else (rows, placed))
-            try:
-                return super(EnginePrefixCache, self).prefill(prompt_ids, reuse=reuse, salt=salt)
-            finally:
-                _TARGET.reset(token)
+        """As :meth:`PrefixCache.prefill`, run through ``run``; with ``rows`` (``[L, 2, H, >= n, D]``,
+        a view of the arena) the prompt's states are read into those rows, row i holding token i.
+        ``placed``: the first tokens whose states the rows already hold (left from an earlier
+        request that read the same blocks there); stored blocks are not copied over them."""
+        return self.run(lambda: super(EnginePrefixCache, self).prefill(prompt_ids, reuse=reuse, salt=salt, rows=rows,
+                                                                        placed=placed))
 
-        return self.run(read)
-
-    def _forward(self, cache: BufferCache, input_ids: torch.Tensor, first_position: int) -> torch.Tensor:
+    def forward_chunk(self, cache: BufferCache, input_ids: torch.Tensor, first_position: int) -> torch.Tensor:
         """One forward of ``input_ids [1, q]`` at positions ``first_position ..`` over rows
         ``0 .. first_position + q - 1`` (causal); logits ``[vocab]`` of its last token."""
         q = input_ids.shape[1]

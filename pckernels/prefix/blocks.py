@@ -190,7 +190,12 @@ class BlockStore:
 
     def evict_to_budget(self) -> None:
         """Drop least recently used unreferenced entries until the store fits its budget."""
-        self._evict_to(self.budget_bytes, notify=True)
+        self.evict_to(self.budget_bytes)
+
+    def evict_to(self, limit: int) -> None:
+        """Drop least recently used unreferenced entries until the store holds at most ``limit``
+        bytes (or none is left to drop); ``on_evict`` runs for each."""
+        self._evict_to(limit, notify=True)
 
     def clear(self) -> None:
         """Drop every unreferenced entry (entries held by running requests stay); ``on_evict`` is not called."""

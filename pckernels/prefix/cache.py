@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 
 import torch
 
@@ -27,10 +26,12 @@ from pckernels.errors import PromptTooLongError, UnsupportedModelError
 from pckernels.generation import GenerationResult, SamplingParams, TokenChoice, eos_token_ids
 from pckernels.integration.identity import model_fingerprint
 from pckernels.integration.adapters import ModelAdapter, adapter_for
+from pckernels.prefix.base import BasePrefixCache, Prefill, PrefixMatch
 from pckernels.prefix.blocks import BlockStore, CachedEntry, block_keys, prompt_end_key
+from pckernels.prefix.check import self_check
 from pckernels.prefix.prompts import Prompt, encode_prompt
 from pckernels.prefix.spill import BlockSpill
-from pckernels.prefix.states import KV, CacheStates, UnsupportedCacheError
+from pckernels.prefix.states import KV, CacheStates
 from pckernels.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -43,21 +44,6 @@ tokens."""
 
 DEFAULT_BUDGET_BYTES = 1 << 30
 
-_PROBE_CHUNK = 8
-
-
-@dataclass
-class Prefill:
-    """What a prefill leaves behind: ``logits`` ``[vocab]`` of the last prompt token, the HF cache
-    holding the prompt's states, how many prompt tokens were restored rather than computed, and
-    ``mode``: ``"prefix"`` (the store was used) or ``"uncached"``."""
-
-    logits: torch.Tensor
-    cache: object
-    cached_tokens: int
-    mode: str = "prefix"
-
-
 def _max_positions(model) -> int | None:
     """The positions ``model`` takes: its adapter's ``max_positions()`` (the base adapter's for
     families promptcache has no adapter for, such as recurrent models)."""
@@ -68,13 +54,7 @@ def _max_positions(model) -> int | None:
     return adapter.max_positions()
 
 
-class _Hold:
-    """The store entry a running request keeps from eviction (``None`` before it holds one)."""
-
-    entry: CachedEntry | None = None
-
-
-class PrefixCache:
+class PrefixCache(BasePrefixCache):
     """Automatic, exact prefix reuse for ``model`` (a transformers causal LM in eval mode).
 
     ``block_size``: tokens per hash-chained block. ``chunk_size``: tokens per prefill forward,
@@ -113,13 +93,13 @@ class PrefixCache:
         self.chunk_size = chunk_size
         self.device = next(model.parameters()).device
         self.max_positions = _max_positions(model)
-        self._states = self._make_states()
+        self.states = self._make_states()
         self.spill: BlockSpill | None = None
         self._store = BlockStore(budget_bytes, on_evict=self._spill_evicted)
         self._lock = threading.Lock()
         self._root = f"promptcache-prefix/{block_size}/{chunk_size}{self._root_tag()}".encode()
         self._counters = {"queries": 0, "hits": 0, "full_hits": 0, "hit_tokens": 0, "computed_tokens": 0}
-        self.refusal = self._self_check()
+        self.refusal = self_check(self)
         if self.refusal is not None:
             message = f"exact prefix reuse is not available for {type(model).__name__}: {self.refusal}"
             if strict:
@@ -144,7 +124,7 @@ class PrefixCache:
         """The spill target for ``store``, or ``None`` when there is none or this model cannot use one."""
         if store is None or self.refusal is not None:
             return None
-        if any(kind != KV for kind in self._states.kinds):
+        if any(kind != KV for kind in self.states.kinds):
             log.info("%s has cache layers without growing keys/values; evicted prefix blocks are dropped, "
                      "not spilled to the store", type(self.model).__name__)
             return None
@@ -153,7 +133,7 @@ class PrefixCache:
             model_id = model_fingerprint(self.model, dtype)
         name = getattr(self.model.config, "_name_or_path", "") or self.model.config.model_type
         return BlockSpill(store, model_id=model_id, device=self.device, kv_dtype=dtype,
-                          num_layers=len(self._states.kinds), model_name=name, numerics=self._spill_numerics())
+                          num_layers=len(self.states.kinds), model_name=name, numerics=self._spill_numerics())
 
     def _spill_evicted(self, entry: CachedEntry) -> None:
         """Eviction hook: write a full block to the spill store (prompt ends are dropped)."""
@@ -191,19 +171,70 @@ class PrefixCache:
         if self.max_positions is not None and num_tokens >= self.max_positions:
             raise PromptTooLongError(num_tokens - 1, self.max_positions)
 
-    def prefill(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "") -> Prefill:
+    def prefill(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
+                rows: torch.Tensor | None = None, placed: int = 0) -> Prefill:
         """Read ``prompt_ids`` exactly as :meth:`complete` does (restoring the longest stored prefix
         when ``reuse``) and return the states and last logits, for a caller that decodes itself
         (the engine's scheduler). ``salt`` roots the block chain in a namespace of its own: the
-        same tokens under another salt match nothing. Not thread-safe with other forwards of the
+        same tokens under another salt match nothing. ``rows``/``placed``: where the prompt's
+        states go, for caches that read into given rows (``BasePrefixCache.prefill``; this class's
+        HF caches keep their own and refuse them). Not thread-safe with other forwards of the
         model."""
         self.check_length(len(prompt_ids))
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         use_store = reuse and self.refusal is None
         with torch.no_grad():
-            prefill = self._prefill_reusing(prompt_ids, ids, salt) if use_store else self._prefill_uncached(ids)
+            if use_store:
+                prefill = self._prefill_reusing(prompt_ids, ids, salt, rows, placed)
+            else:
+                prefill = self._prefill_uncached(ids, rows)
         prefill.mode = "prefix" if use_store else "uncached"
         return prefill
+
+    def match(self, prompt_ids: list[int], salt: str = "") -> PrefixMatch:
+        """The longest stored prefix of ``prompt_ids`` a prefill can resume after, reading blocks
+        back from the spill store where memory lacks them, or the whole prompt when its end is
+        stored; the match's deepest entry is held (``PrefixMatch.held``: release it)."""
+        n = len(prompt_ids)
+        root = self._chain_root(salt)
+        keys = block_keys(prompt_ids, self.block_size, root)
+        found = PrefixMatch(n, keys, prompt_end_key(keys[-1] if keys else root, prompt_ids[len(keys) * self.block_size:]))
+        with self._lock:
+            found.end = self._store.get(found.end_key)
+            restored: list[CachedEntry] = []
+            if found.end is not None:
+                found.chain = found.end.chain()
+            else:
+                matched = self._store.longest_chain(keys)
+                restored = self._restore_spilled(keys, matched, n)
+                found.chain = self._resumable(matched + restored, n)
+            if found.chain:
+                found.held = found.chain[-1]
+                self._store.acquire(found.held)
+            if restored:
+                self._store.release(restored[-1])
+        return found
+
+    def insert(self, entry: CachedEntry) -> CachedEntry:
+        """Store ``entry`` (its parent stored) and return the stored entry, held for the caller."""
+        with self._lock:
+            return self._store.insert(entry)
+
+    def acquire(self, entry: CachedEntry | None) -> None:
+        with self._lock:
+            self._store.acquire(entry)
+
+    def release(self, entry: CachedEntry | None) -> None:
+        with self._lock:
+            self._store.release(entry)
+
+    def evict(self, nbytes: int) -> int:
+        """Evict least recently used unheld entries (full blocks go to the spill store, as on the
+        budget) until ``nbytes`` bytes are freed or none is evictable; returns the bytes freed."""
+        with self._lock:
+            before = self._store.bytes
+            self._store.evict_to(max(0, before - nbytes))
+            return before - self._store.bytes
 
     def stats(self) -> dict:
         """Counters since construction plus the store's current size.
@@ -242,12 +273,12 @@ class PrefixCache:
         with self._lock:
             self._store.clear()
 
-    def _prefill_uncached(self, ids: torch.Tensor) -> Prefill:
+    def _prefill_uncached(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> Prefill:
         """Prefill without the store: in ``chunk_size`` pieces, or in one pass when reuse is refused
         (a refused model may not continue a prefill from its cache, so chunking could change it)."""
-        cache = self._states.new_cache()
+        cache = self.states.new_cache(rows)
         chunk = self.chunk_size if self.refusal is None else ids.shape[1]
-        logits = self._run_chunks(ids, cache, 0, chunk)
+        logits = self.run_chunks(ids, cache, 0, chunk)
         return Prefill(logits, cache, 0)
 
     def chain_keys(self, prompt_ids: list[int], salt: str = "") -> list[bytes]:
@@ -257,42 +288,26 @@ class PrefixCache:
     def _chain_root(self, salt: str) -> bytes:
         return self._root + b"/salt/" + salt.encode() if salt else self._root
 
-    def _prefill_reusing(self, prompt_ids: list[int], ids: torch.Tensor, salt: str = "") -> Prefill:
+    def _prefill_reusing(self, prompt_ids: list[int], ids: torch.Tensor, salt: str, rows: torch.Tensor | None,
+                         placed: int) -> Prefill:
+        """Restore the longest stored prefix (:meth:`match`) and compute the rest, storing its blocks."""
         n = len(prompt_ids)
-        root = self._chain_root(salt)
-        keys = block_keys(prompt_ids, self.block_size, root)
-        end_key = prompt_end_key(keys[-1] if keys else root, prompt_ids[len(keys) * self.block_size:])
-        hold = _Hold()
-        with self._lock:
-            end_entry = self._store.get(end_key)
-            restored: list[CachedEntry] = []
-            if end_entry is not None:
-                chain = end_entry.chain()
-            else:
-                matched = self._store.longest_chain(keys)
-                restored = self._restore_spilled(keys, matched, n)
-                chain = self._resumable(matched + restored, n)
-            if chain:
-                hold.entry = chain[-1]
-                self._store.acquire(hold.entry)
-            if restored:
-                self._store.release(restored[-1])
+        found = self.match(prompt_ids, salt)
         try:
-            cache = self._states.new_cache()
-            if chain:
-                self._states.restore(cache, [entry.kv for entry in chain], chain[-1].states)
-            if end_entry is not None:
-                logits, cached = end_entry.final_logits.clone(), n
+            cache = self.states.new_cache(rows)
+            if found.chain:
+                self.states.restore(cache, [entry.kv for entry in found.chain], found.chain[-1].states, placed=placed)
+            if found.end is not None:
+                logits = found.end.final_logits.clone()
             else:
-                cached = chain[-1].end if chain else 0
-                logits = self._compute_and_store(ids, keys, end_key, cache, cached, hold)
+                logits = self._compute_and_store(ids, found, cache)
         finally:
-            with self._lock:
-                self._store.release(hold.entry)
+            self.release(found.held)
+        cached = n if found.end is not None else found.cached_tokens
         with self._lock:
             self._counters["queries"] += 1
             self._counters["hits"] += cached > 0
-            self._counters["full_hits"] += end_entry is not None
+            self._counters["full_hits"] += found.end is not None
             self._counters["hit_tokens"] += cached
             self._counters["computed_tokens"] += n - cached
         return Prefill(logits, cache, cached)
@@ -329,51 +344,50 @@ class PrefixCache:
         while usable:
             last = matched[usable - 1]
             if (last.end % self.chunk_size == 0 and last.end < num_tokens
-                    and (last.states is not None or not self._states.has_recurrent_layers)):
+                    and (last.states is not None or not self.states.has_recurrent_layers)):
                 break
             usable -= 1
         return matched[:usable]
 
-    def _compute_and_store(self, ids: torch.Tensor, keys: list[bytes], end_key: bytes, cache, start: int,
-                           hold: _Hold) -> torch.Tensor:
-        """Prefill ``ids[:, start:]``, storing each completed block and then the prompt end.
-
-        ``hold`` follows the deepest stored entry of this prompt. Returns the last-token logits.
-        """
+    def _compute_and_store(self, ids: torch.Tensor, found: PrefixMatch, cache) -> torch.Tensor:
+        """Prefill ``ids[:, found.cached_tokens:]``, storing each completed block and then the prompt
+        end; ``found.held`` follows the deepest stored entry of this prompt. Returns the last-token
+        logits."""
         block = self.block_size
-        recurrent = self._states.has_recurrent_layers
+        recurrent = self.states.has_recurrent_layers
+        keys = found.keys
 
         def store_blocks(chunk_start: int, chunk_end: int) -> None:
             for block_start in range(chunk_start, chunk_end - block + 1, block):
                 block_end = block_start + block
                 at_boundary = recurrent and block_end % self.chunk_size == 0
                 entry = CachedEntry(
-                    key=keys[block_start // block], parent=hold.entry, start=block_start, num_tokens=block,
-                    kv=self._states.kv_slice(cache, block_start, block_end),
-                    states=self._states.recurrent_snapshot(cache) if at_boundary else None,
+                    key=keys[block_start // block], parent=found.held, start=block_start, num_tokens=block,
+                    kv=self.states.kv_slice(cache, block_start, block_end),
+                    states=self.states.recurrent_snapshot(cache) if at_boundary else None,
                 )
-                self._insert_and_hold(hold, entry)
+                self._insert_and_hold(found, entry)
                 if self.spill is not None and self.spill.shared:
                     self.spill.publish(entry)
 
-        logits = self._run_chunks(ids, cache, start, self.chunk_size, on_chunk=store_blocks)
+        logits = self.run_chunks(ids, cache, found.cached_tokens, self.chunk_size, on_chunk=store_blocks)
         full_end = len(keys) * block
-        self._insert_and_hold(hold, CachedEntry(
-            key=end_key, parent=hold.entry, start=full_end, num_tokens=ids.shape[1] - full_end,
-            kv=self._states.kv_slice(cache, full_end, ids.shape[1]),
-            states=self._states.recurrent_snapshot(cache) if recurrent else None,
+        self._insert_and_hold(found, CachedEntry(
+            key=found.end_key, parent=found.held, start=full_end, num_tokens=ids.shape[1] - full_end,
+            kv=self.states.kv_slice(cache, full_end, ids.shape[1]),
+            states=self.states.recurrent_snapshot(cache) if recurrent else None,
             final_logits=logits.clone(),
         ))
         return logits
 
-    def _insert_and_hold(self, hold: _Hold, entry: CachedEntry) -> None:
-        """Store ``entry`` (held on insertion) and drop this request's hold on its parent."""
+    def _insert_and_hold(self, found: PrefixMatch, entry: CachedEntry) -> None:
+        """Store ``entry`` (held on insertion) and drop this reader's hold on its parent."""
         with self._lock:
             stored = self._store.insert(entry)
-            previous, hold.entry = hold.entry, stored
+            previous, found.held = found.held, stored
             self._store.release(previous)
 
-    def _run_chunks(self, ids: torch.Tensor, cache, start: int, chunk: int, on_chunk=None) -> torch.Tensor:
+    def run_chunks(self, ids: torch.Tensor, cache, start: int, chunk: int, on_chunk=None) -> torch.Tensor:
         """Forward ``ids [1, seq]`` from ``start`` (a multiple of ``chunk``) in ``chunk``-token pieces.
 
         ``on_chunk(chunk_start, chunk_end)`` runs after each piece. Returns the logits ``[vocab]``
@@ -382,16 +396,16 @@ class PrefixCache:
         logits = None
         for chunk_start in range(start, ids.shape[1], chunk):
             chunk_end = min(chunk_start + chunk, ids.shape[1])
-            logits = self._forward(cache, ids[:, chunk_start:chunk_end], chunk_start)
+            logits = self.forward_chunk(cache, ids[:, chunk_start:chunk_end], chunk_start)
             if on_chunk is not None:
                 on_chunk(chunk_start, chunk_end)
         return logits
 
-    def _forward(self, cache, input_ids: torch.Tensor, first_position: int) -> torch.Tensor:
+    def forward_chunk(self, cache, input_ids: torch.Tensor, first_position: int) -> torch.Tensor:
         """One forward of ``input_ids [1, q]`` at positions ``first_position...``; logits ``[vocab]``."""
         positions = torch.arange(first_position, first_position + input_ids.shape[1], device=self.device)
         out = self.model(input_ids=input_ids, position_ids=positions[None], use_cache=True, logits_to_keep=1,
-                         **{self._states.cache_argument: cache})
+                         **{self.states.cache_argument: cache})
         return out.logits[0, -1]
 
     def _decode(self, cache, logits: torch.Tensor, position: int, choice: TokenChoice) -> None:
@@ -401,51 +415,5 @@ class PrefixCache:
             token = choice.choose(logits, position)
             if choice.done:
                 return
-            logits = self._forward(cache, torch.tensor([[token]], dtype=torch.long, device=self.device), position)
+            logits = self.forward_chunk(cache, torch.tensor([[token]], dtype=torch.long, device=self.device), position)
             position += 1
-
-    def _self_check(self) -> str | None:
-        """``None`` when exact reuse works for this model, else the reason it is refused.
-
-        Uses ``_PROBE_CHUNK``-token chunks on ``3 * chunk + 3`` random tokens: a chunked prefill
-        must match a one-pass prefill far more closely than a prefill that ignores the earlier
-        tokens does; resuming at a chunk boundary and restoring the prompt end must then both be
-        bitwise equal to the uninterrupted prefill, for the last logits and a decode step.
-        """
-        chunk = _PROBE_CHUNK
-        vocab = self.model.get_input_embeddings().num_embeddings
-        ids = torch.randint(0, vocab, (1, 3 * chunk + 3), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(self.device)
-        n = ids.shape[1]
-        pieces: list[list] = []
-        states_at: dict[int, list] = {}
-        with torch.no_grad():
-            reference = self._states.new_cache()
-
-            def record(chunk_start: int, chunk_end: int) -> None:
-                if self._states.kinds is None:
-                    self._states.inspect(reference)
-                pieces.append(self._states.kv_slice(reference, chunk_start, chunk_end))
-                states_at[chunk_end] = self._states.recurrent_snapshot(reference)
-
-            try:
-                chunked = self._run_chunks(ids, reference, 0, chunk, on_chunk=record)
-            except UnsupportedCacheError as exc:
-                return str(exc)
-            one_pass = self._forward(self._states.new_cache(), ids, 0)
-            without_context = self._forward(self._states.new_cache(), ids[:, n - 3:], n - 3)
-            error = (chunked - one_pass).abs().max().item()
-            if not error <= 0.01 * (without_context - one_pass).abs().max().item():
-                return (f"a chunked prefill differs from a one-pass prefill (max |diff| {error:.3g}); the model "
-                        "does not continue a multi-token forward from its cached state")
-            resumed = self._states.new_cache()
-            self._states.restore(resumed, pieces[:2], states_at[2 * chunk])
-            resumed_logits = self._run_chunks(ids, resumed, 2 * chunk, chunk)
-            repeated = self._states.new_cache()
-            self._states.restore(repeated, pieces, states_at[n])
-            step = torch.tensor([[int(chunked.argmax())]], device=self.device)
-            expected = self._forward(reference, step, n)
-            if not (torch.equal(resumed_logits, chunked) and torch.equal(self._forward(resumed, step, n), expected)
-                    and torch.equal(self._forward(repeated, step, n), expected)):
-                return "a prefill resumed from restored states is not bitwise equal to an uninterrupted one"
-        return None

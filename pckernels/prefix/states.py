@@ -64,8 +64,11 @@ class CacheStates:
         params = inspect.signature(model.forward).parameters
         self.cache_argument = "cache" if "cache" in params else "past_key_values"
 
-    def new_cache(self) -> cache_utils.Cache:
-        """An empty cache laid out for the model's layers."""
+    def new_cache(self, rows: torch.Tensor | None = None) -> cache_utils.Cache:
+        """An empty cache laid out for the model's layers (it keeps its own states: ``rows`` to
+        read into are refused)."""
+        if rows is not None:
+            raise ValueError("a transformers cache keeps its own states; it cannot read a prompt into given rows")
         return cache_utils.DynamicCache(config=self.config)
 
     def inspect(self, cache: cache_utils.Cache) -> list[str]:
@@ -110,11 +113,12 @@ class CacheStates:
             out.append(tuple(pairs))
         return out
 
-    def restore(self, cache: cache_utils.Cache, kv_pieces: list[list], states: list | None) -> None:
+    def restore(self, cache: cache_utils.Cache, kv_pieces: list[list], states: list | None, placed: int = 0) -> None:
         """Fill an empty ``cache`` with concatenated KV pieces and a recurrent snapshot.
 
         ``kv_pieces``: one :meth:`kv_slice` result per stored entry, in token order.
-        ``states``: a :meth:`recurrent_snapshot` taken at the end of the last piece.
+        ``states``: a :meth:`recurrent_snapshot` taken at the end of the last piece. ``placed``:
+        leading tokens already in place (only for caches over given rows; 0 here).
         The restored tensors are fresh contiguous copies, laid out exactly as the cache's own
         concatenation would have produced them.
         """

@@ -1,0 +1,97 @@
+"""The prefix cache's interface: what a reader of prompts may ask of stored prefixes.
+
+Shaped like SGLang's ``BasePrefixCache``: :meth:`~BasePrefixCache.match` finds the longest stored
+prefix of a prompt that a prefill can resume after (and holds it), :meth:`~BasePrefixCache.insert`
+stores a block a prefill computed, :meth:`~BasePrefixCache.acquire` / :meth:`~BasePrefixCache.release`
+keep entries from eviction while a request uses them, :meth:`~BasePrefixCache.evict` frees memory.
+:meth:`~BasePrefixCache.prefill` reads a whole prompt through them. The engine types its prefix
+cache by this class; :class:`~pckernels.prefix.PrefixCache` is the implementation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from pckernels.prefix.blocks import CachedEntry
+
+
+@dataclass
+class PrefixMatch:
+    """What :meth:`BasePrefixCache.match` found for one prompt of ``num_tokens`` tokens.
+
+    ``keys``: the chained names of the prompt's full blocks; ``end_key``: the name of the whole
+    prompt. ``chain``: the stored entries to restore, root first (empty on a miss); ``end``: the
+    prompt-end entry when the whole prompt is stored (an exact repeat: ``chain`` then ends with it
+    and no forward is needed). ``held``: the deepest entry this reader holds from eviction (the
+    last of ``chain`` at first, then each block it inserts); release it when done.
+    """
+
+    num_tokens: int
+    keys: list[bytes]
+    end_key: bytes
+    chain: list[CachedEntry] = field(default_factory=list)
+    end: CachedEntry | None = None
+    held: CachedEntry | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose states the match restores."""
+        return self.chain[-1].end if self.chain else 0
+
+
+@dataclass
+class Prefill:
+    """What a prefill leaves behind: ``logits`` ``[vocab]`` of the last prompt token, the cache
+    holding the prompt's states, how many prompt tokens were restored rather than computed, and
+    ``mode``: ``"prefix"`` (the store was used) or ``"uncached"``."""
+
+    logits: torch.Tensor
+    cache: object
+    cached_tokens: int
+    mode: str = "prefix"
+
+
+class BasePrefixCache(ABC):
+    """Exact prefix reuse over hash-chained token blocks (module docstring).
+
+    ``block_size``: tokens per block; a prompt's blocks are named by :meth:`chain_keys`.
+    """
+
+    block_size: int
+
+    @abstractmethod
+    def chain_keys(self, prompt_ids: list[int], salt: str = "") -> list[bytes]:
+        """The names of the full blocks of ``prompt_ids`` under ``salt`` (another salt matches nothing)."""
+
+    @abstractmethod
+    def match(self, prompt_ids: list[int], salt: str = "") -> PrefixMatch:
+        """The longest stored prefix of ``prompt_ids`` a prefill can resume after, or the whole
+        prompt when it is stored; its deepest entry is held (``PrefixMatch.held``)."""
+
+    @abstractmethod
+    def insert(self, entry: CachedEntry) -> CachedEntry:
+        """Store ``entry`` (its parent must be stored) and return the stored entry, held for the
+        caller; when the name is already stored, the stored entry wins."""
+
+    @abstractmethod
+    def acquire(self, entry: CachedEntry | None) -> None:
+        """Hold ``entry`` (and through it its ancestors) from eviction."""
+
+    @abstractmethod
+    def release(self, entry: CachedEntry | None) -> None:
+        """Undo one :meth:`acquire` (or the hold :meth:`insert` and :meth:`match` give)."""
+
+    @abstractmethod
+    def evict(self, nbytes: int) -> int:
+        """Evict least recently used entries no one holds until ``nbytes`` bytes are freed (or
+        none is left to evict), as the budget does; returns the bytes freed."""
+
+    @abstractmethod
+    def prefill(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
+                rows: torch.Tensor | None = None, placed: int = 0) -> Prefill:
+        """Read ``prompt_ids``, restoring the longest stored prefix when ``reuse``; ``rows``
+        (``[L, 2, H, >= n, D]``), where the implementation supports it, receive the prompt's keys
+        and values (row i: token i), of which the first ``placed`` tokens' are already there."""
