@@ -62,7 +62,7 @@ def encode(schema: Path = typer.Argument(..., help="Schema file to encode."),
     except (OSError, ValueError) as exc:
         fail(exc)
     if remote is not None:
-        from pckernels.engine.core import geometries_for
+        from pckernels.engine.namespaces import geometries_for
 
         cache.store.share(cache.encoder.block_keys(parsed, geometries_for(parsed)))
         cache.store.flush()

@@ -267,14 +267,14 @@ def test_a_failing_request_does_not_take_others_down(tokenizer, monkeypatch):  #
     pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
     pc.add_schema(SCHEMA)
     pc.evict_resident()
-    fetch = pc.fetch_block
+    fetch = pc.blocks.fetch_block
 
     def broken(schema, module, scaffold="", geometry="schema"):
         if module == "tokyo":
             raise OSError("block store unreachable")
         return fetch(schema, module, scaffold, geometry)
 
-    monkeypatch.setattr(pc, "fetch_block", broken)
+    monkeypatch.setattr(pc.blocks, "fetch_block", broken)
     with pc.model_lock:
         bad = pc.submit(PROMPTS["other-member"], max_new_tokens=2)
         good = pc.submit(PROMPTS["all-of-union-one"], max_new_tokens=2)

@@ -133,11 +133,11 @@ def test_latin1_schema_is_a_located_error():
 
 
 def test_latin1_schema_file_through_the_engine_is_a_located_error(tmp_path):
-    from pckernels.engine import core
+    from pckernels.engine.namespaces import read_source
 
     path = tmp_path / "s.xml"
     path.write_bytes('<schema name="s">\n<module name="m">é</module></schema>'.encode("latin-1"))
-    text, base_dir = core._read_source(path)
+    text, base_dir = read_source(path)
     assert base_dir == tmp_path.resolve()
     error = refused(text)
     assert (error.line, error.column) == (2, 18)

@@ -79,7 +79,7 @@ class RowAllocator:
 
     def release(self, rows: list[int]) -> None:
         """Give ``rows`` back (each must be allocated)."""
-        for start, stop in _ranges(sorted(rows)):
+        for start, stop in row_ranges(sorted(rows)):
             index = bisect.bisect_left(self._free, (start, stop))
             self._free.insert(index, (start, stop))
         merged: list[tuple[int, int]] = []
@@ -97,7 +97,7 @@ class RowAllocator:
         self.capacity = capacity
 
 
-def _ranges(rows: list[int]) -> list[tuple[int, int]]:
+def row_ranges(rows: list[int]) -> list[tuple[int, int]]:
     """Sorted rows as ``(start, stop)`` runs."""
     runs: list[tuple[int, int]] = []
     for row in rows:
@@ -232,7 +232,7 @@ class KVArena:
         """Forget remembered prefix blocks whose rows are being handed out (they will be written)."""
         if rows and self.prefix_rows:
             block = self.prefix_block
-            spans = _ranges(sorted(rows))
+            spans = row_ranges(sorted(rows))
             stale = [key for key, first in self.prefix_rows.items()
                      if any(lo < first + block and first < hi for lo, hi in spans)]
             for key in stale:

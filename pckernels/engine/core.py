@@ -1,70 +1,50 @@
 """PromptCache: encode schema modules once; answer prompts from many threads in shared batches.
 
-The façade over the engine's rooms: :mod:`~pckernels.engine.encoder` (modules into the store),
-:mod:`~pckernels.engine.plan` (a prompt into blocks and new tokens),
+The façade over the engine's rooms: :mod:`~pckernels.engine.loading` (models and defaults),
+:mod:`~pckernels.engine.namespaces` (schemas by salt, encoded by
+:mod:`~pckernels.engine.encoder`), :mod:`~pckernels.engine.blocks` (module blocks' keys, fetching,
+moving), :mod:`~pckernels.engine.requests` (a prompt into a planned request),
 :mod:`~pckernels.engine.scheduler` (one thread, one decode loop, shared KV arena) and the prefix
-cache for prompts without PML.
+cache for prompts without PML (:mod:`~pckernels.engine.prefix_rows`). The rooms see the model
+through one :class:`~pckernels.engine.context.EngineContext`, never through this object.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
-from pathlib import Path
-from collections import ChainMap
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from pckernels.engine.blocks import ModuleBlocks
+from pckernels.engine.context import EngineContext
 from pckernels.engine.deviation import DeviationScores
 from pckernels.engine.encoder import ModuleEncoder
+from pckernels.engine.loading import default_device, default_dtype, default_kv_budget, load_pretrained
+from pckernels.engine.namespaces import SchemaNamespaces
 from pckernels.engine.options import check_load_options, resolve_device, resolve_dtype
-from pckernels.engine.plan import (BlockRef, RequestPlan, plan_request, plan_request_baseline,
-                                   plan_request_reference, select_recompute)
-from pckernels.engine.request import PrefixPrefill, Request, RequestHandle
+from pckernels.engine.plan import BlockRef
+from pckernels.engine.prefix_rows import EnginePrefixCache
+from pckernels.engine.request import Request, RequestHandle
+from pckernels.engine.requests import RequestBuilder, deadline_at
 from pckernels.engine.scheduler import Scheduler
 from pckernels.engine.threads import close_at_exit, in_fresh_thread
-from pckernels.integration.native import MATMULS
-from pckernels.errors import PMLError, PMLPromptTooLongError
 from pckernels.generation import GenerationResult, SamplingParams, TextStream, eos_token_ids
 from pckernels.integration.adapters import adapter_for
-from pckernels.integration.identity import model_fingerprint, weight_files
-from pckernels.integration.positions import KeyRotation, probe_key_rotation
-from pckernels.pml import check_answerable, parse_prompt, parse_schema
-from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
+from pckernels.integration.identity import model_fingerprint
+from pckernels.integration.native import MATMULS
+from pckernels.integration.positions import KeyRotation
+from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
-from pckernels.program.core import ProgramCall
+from pckernels.program import ProgramCall
 from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir, parse_budgets
 from pckernels.store.remote import DEFAULT_NAMESPACE, parse_remote_url
-from pckernels.store.tiered import default_device_budget, parse_size
-
-log = logging.getLogger(__name__)
-
-MODES = ("cached", "reference", "baseline")
+from pckernels.store.tiered import parse_size
 
 DEFAULT_PREFIX_BLOCK = 256
 """Tokens per block of the engine's exact prefix reuse (see ``prefix_block_size``)."""
-
-DEFAULT_CPU_KV_BUDGET = 2 << 30
-"""KV arena bytes on CPU when ``kv_budget`` is not given (on CUDA: a quarter of the device)."""
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    """float32 on CPU; bf16 on GPUs that support it, else fp16."""
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
-
-
-def default_kv_budget(device: torch.device) -> int:
-    """The arena's default budget: the store's device-tier default on CUDA, ``DEFAULT_CPU_KV_BUDGET`` on CPU."""
-    return default_device_budget(device) if device.type == "cuda" else DEFAULT_CPU_KV_BUDGET
 
 
 class PromptCache:
@@ -146,28 +126,33 @@ class PromptCache:
             raise ValueError(f"prefix_block_size must be >= 1, got {prefix_block_size}")
         self.prefix_block_size = prefix_block_size
         self.store = TieredStore(self.device, disk_dir=store_dir, remote=remote, **budgets)
-        self._block_keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.numerics, self.name,
-                                     layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
-                                     dtype=self.dtype)
-        self.schemas: dict[str, Schema] = {}
-        """Schemas of the default namespace (salt ``""``) by name."""
-        self._namespaces: dict[str, dict[str, Schema]] = {"": self.schemas}
-        self._schemas_lock = threading.Lock()
         self.model_lock = threading.RLock()
         """Held by whoever runs the model: the scheduler's steps, encoding, deviation scoring."""
-        self.encoder = ModuleEncoder(self.adapter, self.store, self.layout, dtype=self.dtype, device=self.device,
-                                     block_key=self.block_key, lock=self.model_lock,
-                                     run=lambda fn: self.scheduler.call(fn))
-        self._install_lock = threading.Lock()
-        self._program_lock = threading.Lock()
-        self.deviation = DeviationScores(self)
-        self._prefix = None
-        self._prefix_lock = threading.Lock()
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self.scheduler = Scheduler(self, max_bytes=default_kv_budget(self.device) if kv_bytes is None else kv_bytes,
+        keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.numerics, self.name,
+                         layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
+                         dtype=self.dtype)
+        run = lambda fn: self.scheduler.call(fn)  # noqa: E731  (the scheduler is made below)
+        self.encoder = ModuleEncoder(self.adapter, self.store, self.layout, dtype=self.dtype, device=self.device,
+                                     block_key=keys, lock=self.model_lock, run=run)
+        self.blocks = ModuleBlocks(self.adapter, self.store, self.encoder, keys, run)
+        self.context = EngineContext(self.adapter, tokenizer, self.layout, self.dtype, self.device,
+                                     frozenset(self.eos_ids), self.max_positions, self.numerics, self.model_lock,
+                                     self.blocks)
+        """What the engine's rooms see of it (:class:`~pckernels.engine.context.EngineContext`)."""
+        self.namespaces = SchemaNamespaces(tokenizer, self.max_positions, self.encoder, self.blocks)
+        self.schemas: dict[str, Schema] = self.namespaces.default
+        """Schemas of the default namespace (salt ``""``) by name."""
+        self.deviation = DeviationScores(self.context)
+        self._prefix: EnginePrefixCache | None = None
+        self._prefix_lock = threading.Lock()
+        self.scheduler = Scheduler(self.context, lambda: self.prefix,
+                                   max_bytes=default_kv_budget(self.device) if kv_bytes is None else kv_bytes,
                                    max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens,
                                    lookahead=lookahead)
-        self._rotation: KeyRotation | None = None
+        self._requests = RequestBuilder(tokenizer, self.max_positions, self.namespaces, self.blocks,
+                                        lambda schema: self.scheduler.call(lambda: self.deviation.for_schema(schema)),
+                                        lambda n: self.prefix.check_length(n))
         close_at_exit(self)
 
     @classmethod
@@ -187,8 +172,6 @@ class PromptCache:
         Bad options are refused before the model is loaded: a budget, an unknown or unavailable
         device or an unknown dtype with a ``ValueError``, a missing local model directory with a
         ``FileNotFoundError`` (``pckernels.engine.options``)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
         if remote is not None and not isinstance(remote, RemoteTier):
             parse_remote_url(remote)
@@ -200,24 +183,7 @@ class PromptCache:
         matmul = engine.get("matmul", "fp32")
         if matmul not in MATMULS:
             raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, got {matmul!r}")
-
-        def load():
-            if name_or_path == "smollm2":
-                from pckernels.integration import embedded
-
-                tokenizer = embedded.load_tokenizer()
-                model = embedded.load_model(dtype=dt)
-                name = "SmolLM2-135M-Instruct"
-                files = weight_files(embedded.converted_dir())
-            else:
-                tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-                model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dt)
-                name = str(name_or_path)
-                files = _local_weight_files(str(name_or_path))
-            adapter_for(model, attach=False)
-            return tokenizer, model, name, model_fingerprint(model, dt, files) if files else None
-
-        tokenizer, model, name, model_id = in_fresh_thread(load)
+        tokenizer, model, name, model_id = in_fresh_thread(load_pretrained, name_or_path, dt)
         if store_dir is None or store_dir is True:
             store_dir = default_store_dir()
         return cls(model, tokenizer, device=dev, dtype=dt, name=name, store_dir=store_dir or None,
@@ -259,105 +225,52 @@ class PromptCache:
 
     def parse_schema(self, text_or_path: str | os.PathLike, *, salt: str = "") -> Schema:
         """Parse (and lay out) a schema without encoding or adding it; ``PMLError`` on bad input."""
-        text, base_dir = _read_source(text_or_path)
-        schema = parse_schema(text, self.tokenizer, base_dir=base_dir, max_positions=self.max_positions)
-        schema.salt = salt
-        return schema
+        return self.namespaces.parse(text_or_path, salt=salt)
 
     def install_schema(self, schema: Schema, *, progress: bool = False,
                        on_progress: Callable[[int, int], None] | None = None) -> Schema:
         """Encode a parsed schema (:meth:`parse_schema`) and add it to its salt's namespace,
         replacing a schema of the same name there once encoded."""
-        previous = self.schemas_for(schema.salt, shared=False).get(schema.name)
-        if previous is not None and previous.digest == schema.digest:
-            return previous
-        if schema.placement == "compact":
-            self._check_movable(schema.location, f"schema {schema.name!r} asks for placement=\"compact\"")
-        with self._install_lock:
-            self.encoder.forget(schema.name, schema.salt)
-            self.encoder.encode_schema(schema, progress=progress, on_progress=on_progress,
-                                       geometries=geometries_for(schema))
-        with self._schemas_lock:
-            self._namespaces.setdefault(schema.salt, {})[schema.name] = schema
-        return schema
+        return self.namespaces.install(schema, progress=progress, on_progress=on_progress)
 
     def remove_schema(self, name: str, *, salt: str = "") -> bool:
         """Forget a schema of a namespace (its blocks stay in the store until evicted); False when
         there was none. Requests already running keep it."""
-        with self._schemas_lock:
-            space = self._namespaces.get(salt, {})
-            removed = space.pop(name, None) is not None
-            if salt and not space:
-                self._namespaces.pop(salt, None)
-        if removed:
-            self.encoder.forget(name, salt)
-        return removed
+        return self.namespaces.remove(name, salt=salt)
 
     def schemas_for(self, salt: str = "", *, shared: bool = True) -> Mapping[str, Schema]:
         """The schemas a prompt resolved with ``salt`` sees: its namespace's, then (``shared``)
         the default namespace's for names it does not define. A snapshot."""
-        with self._schemas_lock:
-            own = dict(self._namespaces.get(salt, {}))
-            if not salt or not shared:
-                return own
-            return ChainMap(own, dict(self.schemas))
+        return self.namespaces.schemas_for(salt, shared=shared)
 
     def warm_schema(self, schema: Schema) -> int:
         """Start background reads of the installed ``schema``'s blocks that only the remote tier holds
         (another process of the fleet encoded them), into the host tier while it has room; returns
         how many. The server does this after installing a schema; a library caller about to query
         at once need not (the reads compete with the query's own)."""
-        return self.encoder.warm(schema, geometries_for(schema))
+        return self.namespaces.warm(schema)
 
     def block_key(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> BlockKey:
-        """The store key of ``module``'s block in ``schema`` (jointly encoded within ``scaffold``;
-        ``geometry="packed"``: the encoding compact placement reads, ``pckernels.pml.placement``)."""
-        return self._block_keys(schema, module, scaffold, geometry)
+        """The store key of ``module``'s block in ``schema`` (:meth:`ModuleBlocks.block_key`)."""
+        return self.blocks.block_key(schema, module, scaffold, geometry)
 
     def arena_key(self, schema: Schema, ref: BlockRef):
-        """What a block placed for ``ref`` is kept under in the arena: its store key, with the
-        shifts it was moved by when they are not zero (a moved block has other keys)."""
-        key = self.block_key(schema, ref.module, ref.scaffold, ref.geometry)
-        return (key, ref.shifts) if ref.shifts else key
+        """What a block placed for ``ref`` is kept under in the arena (:meth:`ModuleBlocks.arena_key`)."""
+        return self.blocks.arena_key(schema, ref)
 
     def fetch_block(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> torch.Tensor:
         """A module's block ``[L, 2, H, n, D]`` from the store, encoded again if no tier holds it
         (call with the model lock held)."""
-        return self.encoder.fetch(schema, module, scaffold, geometry)
+        return self.blocks.fetch_block(schema, module, scaffold, geometry)
 
     def block_positions(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> torch.Tensor:
         """Positions ``[n]`` (device) the block of ``module`` was encoded at."""
-        key = self.block_key(schema, module, scaffold, geometry)
-        return self.encoder.positions(schema, module, key, geometry, scaffold)
+        return self.blocks.block_positions(schema, module, scaffold, geometry)
 
     def key_rotation(self) -> KeyRotation:
-        """How this model's cached keys move with their position (probed once, under the model
-        lock; :mod:`pckernels.integration.positions`)."""
-        if self._rotation is None:
-            def probe() -> KeyRotation:
-                if self._rotation is None:
-                    self._rotation = probe_key_rotation(self.adapter)
-                return self._rotation
-
-            # on the scheduler thread: a probe forward on the caller's thread would give it an
-            # OpenMP team of its own and slow every later step (pckernels.engine.threads)
-            return self.scheduler.call(probe)
-        return self._rotation
-
-    def _check_movable(self, location: tuple[int | None, int | None], what: str, label: str | None = None) -> None:
-        """A located ``PMLError`` when this model's blocks cannot be moved (compact placement)."""
-        rotation = self.key_rotation()
-        if not rotation.movable:
-            line, column = location
-            raise PMLError(f"{what}, but this model cannot move cached modules to other positions: "
-                           f"{rotation.reason}; use placement=\"schema\"", line=line, column=column, source=label)
-
-    def prefetch_siblings(self, schema: Schema, modules: list[str]) -> None:
-        """Stage the union siblings of ``modules`` (likely next) closer to the device."""
-        used = set(modules)
-        unions = {schema.modules[m].union for m in used} - {None}
-        siblings = [m for u in sorted(unions) for m in schema.unions.get(u, ()) if m not in used]
-        self.store.prefetch(self.block_key(schema, sibling) for sibling in siblings)
+        """How this model's cached keys move with their position (probed once, on the scheduler
+        thread; :mod:`pckernels.integration.positions`)."""
+        return self.blocks.key_rotation()
 
     def stats(self) -> dict:
         """The block store's counters: hits, entries, bytes, budget and evictions per tier (device,
@@ -379,11 +292,8 @@ class PromptCache:
         scheduler thread; :meth:`complete` is the batched way."""
         with self._prefix_lock:
             if self._prefix is None:
-                from pckernels.engine.prefix_rows import EnginePrefixCache
-
                 self._prefix = self.scheduler.call(lambda: EnginePrefixCache(
-                    self.adapter, self.tokenizer, layout=self.layout, dtype=self.dtype, numerics=self.numerics,
-                    block_size=self.prefix_block_size, spill=self.store, spill_model_id=self.model_id,
+                    self.context, block_size=self.prefix_block_size, spill=self.store, spill_model_id=self.model_id,
                     run=self.scheduler.call))
             return self._prefix
 
@@ -392,25 +302,7 @@ class PromptCache:
     def resolve(self, prompt: str | ResolvedPrompt | ProgramCall, *, salt: str = "") -> ResolvedPrompt:
         """Parse a PML prompt against the schemas of ``salt``'s namespace (:meth:`schemas_for`); a
         prompt program's call (``pckernels.program``) against its own schema, installed on first use."""
-        if isinstance(prompt, ResolvedPrompt):
-            return prompt
-        if isinstance(prompt, ProgramCall):
-            return self._resolve_program(prompt, salt)
-        return parse_prompt(prompt, self.schemas_for(salt))
-
-    def _resolve_program(self, call: ProgramCall, salt: str) -> ResolvedPrompt:
-        """Check the call's arguments, install its program's schema once (encoding it; concurrent
-        first calls wait for one install) and resolve its prompt. Bad arguments change nothing."""
-        call.check(self.tokenizer)
-        schema = self.schemas_for(salt, shared=False).get(call.schema_name)
-        if schema is None or schema.source != call.schema:
-            with self._program_lock:
-                schema = self.schemas_for(salt, shared=False).get(call.schema_name)
-                if schema is None or schema.source != call.schema:
-                    parsed = self.parse_schema(call.schema, salt=salt)
-                    parse_prompt(call.prompt, {parsed.name: parsed})
-                    schema = self.install_schema(parsed)
-        return parse_prompt(call.prompt, {schema.name: schema})
+        return self.namespaces.resolve(prompt, salt=salt)
 
     def request(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
                 temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
@@ -420,35 +312,9 @@ class PromptCache:
         raises here and changes nothing). Arguments as in :meth:`generate`; ``salt`` picks the
         namespace its schemas are looked up in (:meth:`add_schema`)."""
         submitted = time.perf_counter()
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         params = SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed)
-        resolved = self.resolve(prompt, salt=salt)
-        check_answerable(resolved, baseline=mode == "baseline")
-        if resolved.placement == "compact" and mode != "baseline":
-            self._check_movable(resolved.locations.get(ROOT, (None, None)), "the prompt is placed compactly",
-                                resolved.label)
-        limit = self.max_positions
-        last_pos = max(resolved.position_ids) if mode != "baseline" else len(resolved.token_ids) - 1
-        if limit is not None and last_pos + 1 >= limit:
-            raise PMLPromptTooLongError(last_pos, limit)
-        if mode == "baseline" and recompute:
-            raise ValueError("recompute applies to the cached and reference modes, not baseline")
-        recomputed = select_recompute(resolved, recompute, recompute_policy, lambda: self._deviation(resolved))
-        if mode == "baseline":
-            plan: RequestPlan = plan_request_baseline(resolved)
-            positions = list(range(len(resolved.token_ids)))
-        elif mode == "reference":
-            plan = plan_request_reference(resolved, recomputed)
-            positions = list(resolved.position_ids)
-        else:
-            plan = plan_request(resolved, recomputed)
-            positions = list(resolved.position_ids)
-        return Request(params, mode, list(resolved.token_ids), positions, plan=plan, schema=resolved.schema,
-                       deadline=_deadline(deadline_s), submitted=submitted)
-
-    def _deviation(self, resolved: ResolvedPrompt):
-        return self.scheduler.call(lambda: self.deviation.for_schema(resolved.schema))
+        return self._requests.pml(prompt, params, mode=mode, recompute=recompute, recompute_policy=recompute_policy,
+                                  deadline=deadline_at(deadline_s), salt=salt, submitted=submitted)
 
     def submit(self, request: Request | str | ResolvedPrompt, **options) -> RequestHandle:
         """Queue a request (a :class:`Request`, or a PML prompt with :meth:`request`'s options) and
@@ -491,7 +357,7 @@ class PromptCache:
 
     def _text_stream(self, handle: RequestHandle, stops: list[str]) -> Iterator[str]:
         """Deltas that always extend to the final text: the tail that could still become a stop
-        string is held back (:class:`~pckernels.generation.text.TextStream`)."""
+        string is held back (:class:`~pckernels.generation.TextStream`)."""
         text = TextStream(self.tokenizer, stops)
         try:
             for token in handle:
@@ -510,16 +376,10 @@ class PromptCache:
         """A plain prompt (text, token ids or chat messages) as a :class:`Request` for exact
         prefix reuse; arguments as in :meth:`complete`. ``salt`` namespaces its prefix blocks:
         prompts with different salts never share a block."""
-        from pckernels.prefix.prompts import encode_prompt
-
         submitted = time.perf_counter()
         params = SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed)
-        if isinstance(prompt, ProgramCall):
-            prompt = prompt.render(self.tokenizer)
-        ids = encode_prompt(self.tokenizer, prompt)
-        self.prefix.check_length(len(ids))
-        return Request(params, "prefix", list(ids), list(range(len(ids))), prefix=PrefixPrefill(list(ids), reuse, salt),
-                       deadline=_deadline(deadline_s), submitted=submitted)
+        return self._requests.plain(prompt, params, reuse=reuse, deadline=deadline_at(deadline_s), salt=salt,
+                                    submitted=submitted)
 
     def complete(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,
                  top_p: float = 1.0, stop: str | list[str] | None = None, seed: int | None = None,
@@ -545,45 +405,3 @@ class PromptCache:
         """Stop the scheduler (requests still waiting or running fail) and the store's loader."""
         self.scheduler.close()
         self.store.close()
-
-
-def geometries_for(schema: Schema) -> tuple[str, ...]:
-    """The encodings ``add_schema`` makes for ``schema``'s modules: packed ones when its prompts are
-    placed compactly by default, else schema ones (a prompt asking for the other encodes what it
-    reads on first use)."""
-    return ("packed",) if schema.placement == "compact" else ("schema",)
-
-
-def _deadline(seconds: float | None) -> float | None:
-    if seconds is None:
-        return None
-    if seconds <= 0:
-        raise ValueError(f"deadline_s must be positive, got {seconds}")
-    return time.monotonic() + seconds
-
-
-def _local_weight_files(name_or_path: str) -> list[Path]:
-    """The weight files ``from_pretrained`` read for ``name_or_path``: a local directory's, or the
-    local HF cache snapshot's; empty when they cannot be found (the tensors are hashed instead)."""
-    if Path(name_or_path).is_dir():
-        return weight_files(name_or_path)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return weight_files(snapshot_download(name_or_path, local_files_only=True))
-    except Exception as exc:  # any failure only means hashing the loaded tensors instead
-        log.debug("weight files of %r not found (%s); hashing tensors", name_or_path, exc)
-        return []
-
-
-def _read_source(text_or_path: str | os.PathLike) -> tuple[str | bytes, Path | None]:
-    """Schema text (a file's raw bytes, decoded by the PML layer) and its base directory (for
-    ``src=``); accepts PML text or a file path."""
-    if isinstance(text_or_path, os.PathLike) or (
-            isinstance(text_or_path, str) and "<" not in text_or_path and len(text_or_path) < 4096):
-        path = Path(text_or_path)
-        try:
-            return path.read_bytes(), path.resolve().parent
-        except OSError as exc:
-            raise PMLError(f"cannot read schema file {str(path)!r}: {exc.strerror or exc}") from None
-    return str(text_or_path), None

@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from pckernels.engine.buffer import AssemblyBuffer, BufferCache
+from pckernels.engine.context import EngineContext
 from pckernels.integration.attention import AttentionSpec
 from pckernels.pml.model import Schema
-
-if TYPE_CHECKING:
-    from pckernels.engine.core import PromptCache
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +38,8 @@ class DeviationScores:
     """Per schema (by digest), per module, a float32 ``[own tokens]`` tensor of scores; computed
     on first use and kept."""
 
-    def __init__(self, engine: "PromptCache") -> None:
-        self._engine = engine
+    def __init__(self, ctx: EngineContext) -> None:
+        self._ctx = ctx
         self._scores: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
 
     def for_schema(self, schema: Schema) -> dict[str, torch.Tensor]:
@@ -50,7 +47,7 @@ class DeviationScores:
         scores = self._scores.get(version)
         if scores is None:
             t0 = time.perf_counter()
-            scores = self._scores[version] = _score(self._engine, schema)
+            scores = self._scores[version] = _score(self._ctx, schema)
             log.info("deviation scores for schema %r in %.2f s", schema.name, time.perf_counter() - t0)
         return scores
 
@@ -77,7 +74,7 @@ def _compatible(schema: Schema) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _score(engine: "PromptCache", schema: Schema) -> dict[str, torch.Tensor]:
+def _score(ctx: EngineContext, schema: Schema) -> dict[str, torch.Tensor]:
     names = list(schema.modules)
     owner, tokens, positions = [], [], []
     for i, name in enumerate(names):
@@ -90,17 +87,17 @@ def _score(engine: "PromptCache", schema: Schema) -> dict[str, torch.Tensor]:
         raise ValueError(f"schema {schema.name!r} has {n} module tokens; deviation scores are computed for at "
                          f"most {MAX_TOKENS}; use recompute_policy='first'")
     order = sorted(range(n), key=lambda k: (positions[k], owner[k]))
-    device = engine.device
+    device = ctx.device
     own = torch.tensor([owner[k] for k in order], dtype=torch.long)
     pos = torch.tensor([positions[k] for k in order], dtype=torch.long)
     visible = (pos[None, :] <= pos[:, None]) & _compatible(schema)[own[:, None], own[None, :]]
-    bias = torch.zeros(n, n, dtype=engine.dtype).masked_fill_(~visible, float("-inf")).to(device)
+    bias = torch.zeros(n, n, dtype=ctx.dtype).masked_fill_(~visible, float("-inf")).to(device)
     pos = pos.to(device)
-    buf = AssemblyBuffer(engine.layout, dtype=engine.dtype, device=device, capacity=n)
+    buf = AssemblyBuffer(ctx.layout, dtype=ctx.dtype, device=device, capacity=n)
     cache = BufferCache(buf)
     cache.prepare(rows=None, start=0, extent=n)
     ids = torch.tensor([[tokens[k] for k in order]], dtype=torch.long, device=device)
-    engine.adapter.forward(ids, pos[None], AttentionSpec(bias, pos, pos), cache)
+    ctx.adapter.forward(ids, pos[None], AttentionSpec(bias, pos, pos), cache)
     row_of = {k: row for row, k in enumerate(order)}
     scores: dict[str, torch.Tensor] = {}
     start = 0
@@ -111,7 +108,7 @@ def _score(engine: "PromptCache", schema: Schema) -> dict[str, torch.Tensor]:
         if not schema.modules[name].cached:
             continue
         in_context = buf.data.index_select(3, rows).float()
-        isolated = engine.fetch_block(schema, name).float()
+        isolated = ctx.blocks.fetch_block(schema, name).float()
         diff = (in_context - isolated).norm(dim=(2, 4)) / in_context.norm(dim=(2, 4)).clamp_min(1e-6)
         scores[name] = diff.mean(dim=(0, 1)).cpu()
     return scores

@@ -22,6 +22,7 @@ import torch
 
 from pckernels import ops
 from pckernels.engine.buffer import BufferCache
+from pckernels.engine.context import EngineContext
 from pckernels.integration.attention import AttentionSpec, KVLayout
 from pckernels.prefix import PrefixCache
 from pckernels.prefix.blocks import BlockKV
@@ -117,22 +118,20 @@ def _stack(kv: list) -> torch.Tensor:
 class EnginePrefixCache(PrefixCache):
     """The prefix cache over the engine's forward and arena rows (module docstring).
 
-    ``adapter``: the engine's model adapter; ``layout``/``dtype``: its KV layout and dtype;
-    ``numerics``: the engine's numerics tag (kept apart from other forwards' blocks in chains and
-    spilled keys). ``run``: how model work is run (the engine passes its scheduler's ``call``, so
-    that a caller using ``complete``/``prefill`` directly runs alone on the scheduler thread, under
-    the model lock: ``pckernels.engine.threads``). Other arguments as
-    :class:`~pckernels.prefix.PrefixCache`.
+    ``ctx``: the engine's model (adapter, tokenizer, KV layout and dtype) and numerics tag (kept
+    apart from other forwards' blocks in chains and spilled keys). ``run``: how model work is run
+    (the engine passes its scheduler's ``call``, so that a caller using ``complete``/``prefill``
+    directly runs alone on the scheduler thread, under the model lock: ``pckernels.engine.threads``).
+    Other arguments as :class:`~pckernels.prefix.PrefixCache`.
     """
 
-    def __init__(self, adapter, tokenizer, *, layout: KVLayout, dtype: torch.dtype, numerics: str,
-                 run: Callable[[Callable[[], T]], T] | None = None, **options) -> None:
-        self.adapter = adapter
-        self.layout = layout
-        self.kv_dtype = dtype
-        self.numerics = numerics
+    def __init__(self, ctx: EngineContext, *, run: Callable[[Callable[[], T]], T] | None = None, **options) -> None:
+        self.adapter = ctx.adapter
+        self.layout = ctx.layout
+        self.kv_dtype = ctx.dtype
+        self.numerics = ctx.numerics
         self.run = run if run is not None else (lambda fn: fn())
-        super().__init__(adapter.model, tokenizer, **options)
+        super().__init__(ctx.adapter.model, ctx.tokenizer, **options)
 
     def complete(self, prompt, **options):
         """As :meth:`PrefixCache.complete`, run through ``run`` (alone, not batched: the engine's

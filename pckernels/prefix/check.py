@@ -9,20 +9,30 @@ logits and a decode step after them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pckernels.prefix.states import UnsupportedCacheError
 
-if TYPE_CHECKING:
-    from pckernels.prefix.cache import PrefixCache
-
 PROBE_CHUNK = 8
 """Tokens per chunk of the check's prefills."""
 
 
-def self_check(cache: "PrefixCache") -> str | None:
+class Checked(Protocol):
+    """What the check uses of a :class:`~pckernels.prefix.PrefixCache`."""
+
+    model: torch.nn.Module
+    device: torch.device
+    states: object
+    """Makes working caches and copies states out and in (``CacheStates`` or a subclass's)."""
+
+    def run_chunks(self, ids: torch.Tensor, cache, start: int, chunk: int, on_chunk=None) -> torch.Tensor: ...
+
+    def forward_chunk(self, cache, input_ids: torch.Tensor, first_position: int) -> torch.Tensor: ...
+
+
+def self_check(cache: Checked) -> str | None:
     """``None`` when exact reuse works for ``cache``'s model, else the reason it is refused.
 
     Uses :data:`PROBE_CHUNK`-token chunks on ``3 * chunk + 3`` random tokens: a chunked prefill

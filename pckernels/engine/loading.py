@@ -1,0 +1,75 @@
+"""Loading a model for the engine, and the defaults that depend on the device.
+
+``"smollm2"`` is the embedded SmolLM2-135M-Instruct (:mod:`pckernels.integration.embedded`);
+anything else is a HuggingFace model id or local directory, loaded offline from the local HF
+cache when no network is available. The weights are identified by hashing their files once
+(:func:`~pckernels.integration.identity.model_fingerprint`); the identity keys every block.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from pckernels.integration.adapters import adapter_for
+from pckernels.integration.identity import model_fingerprint, weight_files
+from pckernels.store.tiered import default_device_budget
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BUDGET = 2 << 30
+"""KV arena bytes on CPU when ``kv_budget`` is not given (on CUDA: a quarter of the device)."""
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float32 on CPU; bf16 on GPUs that support it, else fp16."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """The arena's default budget: the store's device-tier default on CUDA, ``DEFAULT_CPU_KV_BUDGET`` on CPU."""
+    return default_device_budget(device) if device.type == "cuda" else DEFAULT_CPU_KV_BUDGET
+
+
+def load_pretrained(name_or_path: str, dtype: torch.dtype) -> tuple[object, torch.nn.Module, str, str | None]:
+    """``(tokenizer, model, name, model_id)`` of ``name_or_path`` in ``dtype``; ``model_id`` is None
+    when the weight files cannot be found (the engine then hashes the loaded tensors). Raises
+    ``UnsupportedModelError`` for a family promptcache cannot drive."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path == "smollm2":
+        from pckernels.integration import embedded
+
+        tokenizer = embedded.load_tokenizer()
+        model = embedded.load_model(dtype=dtype)
+        name = "SmolLM2-135M-Instruct"
+        files = weight_files(embedded.converted_dir())
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        name = str(name_or_path)
+        files = local_weight_files(str(name_or_path))
+    adapter_for(model, attach=False)
+    return tokenizer, model, name, model_fingerprint(model, dtype, files) if files else None
+
+
+def local_weight_files(name_or_path: str) -> list[Path]:
+    """The weight files ``from_pretrained`` read for ``name_or_path``: a local directory's, or the
+    local HF cache snapshot's; empty when they cannot be found (the tensors are hashed instead)."""
+    if Path(name_or_path).is_dir():
+        return weight_files(name_or_path)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return weight_files(snapshot_download(name_or_path, local_files_only=True))
+    except Exception as exc:  # any failure only means hashing the loaded tensors instead
+        log.debug("weight files of %r not found (%s); hashing tensors", name_or_path, exc)
+        return []

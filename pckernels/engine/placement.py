@@ -1,0 +1,176 @@
+"""Placing requests in the KV arena: module blocks once and shared, own rows, plain prompts' prefills.
+
+A PML request's module blocks are placed in the :class:`~pckernels.engine.arena.KVArena` once
+(from the store; a moved block re-rotated on the way by one gather-rotate) and shared read-only by
+every request that imports them; the request gets the rows of its blocks it may see and rows of
+its own for its new and decoded tokens. A plain prompt is prefilled exactly through the engine's
+prefix cache straight into one contiguous run of its own rows (``pckernels.engine.prefix_rows``),
+so its decoding joins the batch with nothing moved.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Hashable
+
+import torch
+
+from pckernels import ops
+from pckernels.engine.arena import KVArena, ResidentBlock, row_ranges
+from pckernels.engine.context import EngineContext
+from pckernels.engine.plan import BlockRef
+from pckernels.engine.request import Request, RequestHandle
+from pckernels.engine.running import Running, own_rows
+from pckernels.generation import TokenChoice
+from pckernels.pml.model import Schema
+from pckernels.prefix.base import BasePrefixCache
+
+
+class Placer:
+    """Places requests and blocks in ``arena`` (module docstring). ``prefix()`` gives the engine's
+    prefix cache (made on first use); ``counters``: the scheduler's."""
+
+    def __init__(self, ctx: EngineContext, arena: KVArena, prefix: Callable[[], BasePrefixCache],
+                 counters: collections.Counter) -> None:
+        self.ctx = ctx
+        self.arena = arena
+        self.prefix = prefix
+        self.counters = counters
+
+    def added_rows(self, request: Request) -> int:
+        """Rows admitting ``request`` adds to what running requests hold: its own, and those of
+        its blocks no running request holds."""
+        rows = own_rows(request)
+        if request.plan is not None:
+            for ref in request.plan.blocks:
+                block = self.arena.block(self.ctx.blocks.arena_key(request.schema, ref))
+                if block is None or block.refs == 0:
+                    rows += ref.n_rows
+        return rows
+
+    def start(self, handle: RequestHandle, choice: TokenChoice) -> tuple[Running, torch.Tensor | None]:
+        """``handle``'s request placed in the arena; with the logits ``[vocab]`` of its prompt's
+        last token when the prompt is already read (plain prompts), else None."""
+        if handle.request.prefix is not None:
+            return self._start_prefix(handle, choice)
+        return self._start_pml(handle, choice), None
+
+    def _start_pml(self, handle: RequestHandle, choice: TokenChoice) -> Running:
+        request = handle.request
+        plan = request.plan
+        device = self.ctx.device
+        active = Running(handle, choice, [], list(plan.new_tokens), list(plan.new_positions), plan.live,
+                         cached_tokens=plan.cached_tokens, computed_tokens=len(plan.new_tokens), mode=request.mode)
+        try:
+            visible: list[torch.Tensor] = []
+            for ref in plan.blocks:
+                if ref.n_rows == 0:
+                    continue
+                key = self.ctx.blocks.arena_key(request.schema, ref)
+                block = self.arena.block(key) or self.place(request.schema, ref, key)
+                self.arena.acquire(block)
+                active.block_keys.append(key)
+                if ref.hidden:
+                    keep = torch.ones(ref.n_rows, dtype=torch.bool, device=block.index.device)
+                    keep[list(ref.hidden)] = False
+                    visible.append(block.index[keep])
+                else:
+                    visible.append(block.index)
+            active.block_rows = torch.cat(visible) if visible else torch.zeros(0, dtype=torch.long, device=device)
+            active.max_row = int(active.block_rows.max()) if visible else -1
+            active.rows = self.arena.allocate(own_rows(request))
+        except BaseException:
+            self.release(active)
+            raise
+        self.ctx.blocks.prefetch_siblings(request.schema, [ref.module for ref in plan.blocks])
+        active.next_pos = max(request.positions) + 1
+        active.own_visible = torch.zeros(0, dtype=torch.long, device=device)
+        return active
+
+    def place(self, schema: Schema, ref: BlockRef, key: Hashable) -> ResidentBlock:
+        """Copy one module block ``[L, 2, H, n, D]`` from the store (encoding it if no tier holds it)
+        into new rows; a moved block's own-token runs (``ref.shifts``: ``(first, stop, delta)``) get
+        their new positions and, for RoPE keys, a turn by ``R(delta)`` on the way (one gather-rotate)."""
+        blocks = self.ctx.blocks
+        tensor = blocks.fetch_block(schema, ref.module, ref.scaffold, ref.geometry)
+        block = self.arena.add_block(key, ref.n_rows)
+        positions = blocks.block_positions(schema, ref.module, ref.scaffold, ref.geometry)
+        shifts = ref.shifts or ((0, ref.n_rows, 0),)
+        table = []
+        src = 0
+        for start, stop in row_ranges(block.rows):
+            for first, last, shift in shifts:
+                a, b = max(first, src), min(last, src + stop - start)
+                if a < b:
+                    table.append((0, a, start + a - src, b - a, shift))
+            src += stop - start
+        rows = torch.tensor(table, dtype=torch.int64)
+        rotation = blocks.key_rotation() if ref.shifts else None
+        if rotation is not None and rotation.kind == "rope":
+            ops.gather_rotate(self.arena.data, [tensor], rows, rotation.inv_freq)
+        else:  # unmoved, or moved keys without position (ALiBi): a plain copy
+            ops.gather_concat(self.arena.data, [tensor], rows[:, :4].contiguous())
+        if ref.shifts:
+            delta = torch.repeat_interleave(torch.tensor([s for _, _, s in shifts], dtype=torch.long),
+                                            torch.tensor([b - a for a, b, _ in shifts], dtype=torch.long))
+            positions = positions + delta.to(positions.device)
+            self.counters["blocks_moved"] += 1
+        self.arena.row_pos[block.index] = positions
+        self.counters["blocks_placed"] += 1
+        return block
+
+    def _start_prefix(self, handle: RequestHandle, choice: TokenChoice) -> tuple[Running, torch.Tensor]:
+        """Prefill a plain prompt exactly through the prefix cache (alone), straight into a
+        contiguous run of its own rows. When free rows still hold the prompt's leading blocks
+        from an earlier request (:meth:`KVArena.remember_prefix`), the run starts there and those
+        blocks are not copied again."""
+        request = handle.request
+        ids = request.prefix.token_ids
+        n = len(ids)
+        device = self.ctx.device
+        prefix = self.prefix()
+        keys = prefix.chain_keys(ids, request.prefix.salt) if request.prefix.reuse else []
+        start, blocks = self.arena.prefix_run(keys)
+        run = self.arena.allocate_at(start, n) if blocks else None
+        placed = blocks * prefix.block_size if run is not None else 0
+        if run is None:
+            run = self.arena.allocate_run(n)
+        rest = self.arena.allocate(own_rows(request) - n) if run is not None else None
+        own = (run + rest) if run is not None else self.arena.allocate(own_rows(request))
+        try:
+            target = self.arena.data[:, :, :, run[0]:run[0] + n] if run else None
+            prefill = prefix.prefill(ids, reuse=request.prefix.reuse, salt=request.prefix.salt, rows=target,
+                                     placed=placed)
+        except BaseException:
+            self.arena.release(own)
+            raise
+        if placed:
+            self.counters["prefix_tokens_in_place"] += placed
+        active = Running(handle, choice, own, list(ids), list(range(n)), None, cached_tokens=prefill.cached_tokens,
+                         computed_tokens=n - prefill.cached_tokens, mode=prefill.mode)
+        if run:
+            active.prefix_blocks = (keys or prefix.chain_keys(ids, request.prefix.salt), run[0], prefix.block_size)
+        rows = torch.tensor(active.rows[:n], dtype=torch.long, device=device)
+        if run is None and n:
+            self.counters["prefix_rows_moved"] += 1
+            self.arena.data.index_copy_(3, rows, prefill.cache.buffer.data[:, :, :, :n])
+        self.arena.row_pos[rows] = torch.arange(n, device=device)
+        active.max_row = max(active.rows[:n]) if n else -1
+        active.prefilled = n
+        active.own_visible = rows
+        active.block_rows = torch.zeros(0, dtype=torch.long, device=device)
+        active.next_pos = n
+        return active, prefill.logits
+
+    def release(self, active: Running) -> None:
+        """Give back ``active``'s blocks and rows (a plain prompt's run is remembered, so a later
+        request reading the same blocks may take those rows as they are)."""
+        for key in active.block_keys:
+            self.arena.release_block(key)
+        active.block_keys = []
+        if active.prefix_blocks is not None:
+            self.arena.remember_prefix(*active.prefix_blocks)
+            active.prefix_blocks = None
+        if active.rows:
+            self.arena.release(active.rows)
+            active.rows = []

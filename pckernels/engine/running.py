@@ -1,0 +1,83 @@
+"""A request while the scheduler runs it: its rows, its progress, its token choices.
+
+Everything in a :class:`Running` belongs to one request and is touched by the scheduler thread
+only; the caller sees the request through its :class:`~pckernels.engine.request.RequestHandle`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pckernels.engine.lookahead import NgramDrafter
+from pckernels.engine.request import Request, RequestHandle
+from pckernels.generation import GenerationResult, TokenChoice
+
+
+def own_rows(request: Request) -> int:
+    """Rows a request owns: its new tokens, and every decoded token but the last (never forwarded)."""
+    return request.new_tokens + request.params.max_new_tokens - 1
+
+
+@dataclass
+class Running:
+    """A running request (module docstring)."""
+
+    handle: RequestHandle
+    choice: TokenChoice
+    rows: list[int]
+    """Own rows: its new tokens' first, then its decoded tokens'."""
+    new_tokens: list[int]
+    new_positions: list[int]
+    live: list[bool] | None
+    """Which new tokens later tokens may see (``None``: all)."""
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    mode: str = "cached"
+    block_keys: list = field(default_factory=list)
+    """Arena keys of the module blocks it holds."""
+    block_rows: torch.Tensor | None = None
+    """Rows of its modules it may see ``[k]`` (device, long)."""
+    prefilled: int = 0
+    """New tokens computed so far (own rows ``0 .. prefilled - 1`` written)."""
+    decoded_rows: int = 0
+    """Decoded tokens forwarded so far (own rows after the new tokens')."""
+    pending: int | None = None
+    """The last chosen token, forwarded at ``next_pos`` by the next step."""
+    next_pos: int = 0
+    own_visible: torch.Tensor | None = None
+    """Own rows later tokens may see ``[m]`` (device, long), kept up to date."""
+    max_row: int = -1
+    """The highest arena row the request may see (its steps' key extent), kept without device syncs."""
+    prefix_blocks: tuple | None = None
+    """A plain prompt read into one run of rows: ``(block keys, first row, block size)``, remembered
+    by the arena when its rows are freed."""
+    shown_decoded: int = 0
+    """Decoded-token rows already in ``own_visible`` (a rejected draft's rows stay there, hidden by
+    position until the tokens at those positions overwrite them)."""
+    drafter: NgramDrafter | None = None
+    """Its prompt-lookup drafts (greedy requests of a scheduler with ``lookahead``), made at its first
+    decode step."""
+    draft_room: int = 0
+    """Longest draft its next step may verify: halved when a draft is rejected outright, doubled
+    (up to the scheduler's ``lookahead``) when one is taken whole."""
+
+    @property
+    def request(self) -> Request:
+        return self.handle.request
+
+    @property
+    def reading(self) -> bool:
+        return self.prefilled < len(self.new_tokens)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens chosen so far."""
+        return self.choice.token_ids
+
+    def result(self) -> GenerationResult:
+        """The finished request's result."""
+        request = self.request
+        return self.choice.result(request.prompt_token_ids, request.positions, cached_tokens=self.cached_tokens,
+                                  computed_tokens=self.computed_tokens, mode=self.mode)

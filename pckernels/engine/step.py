@@ -1,0 +1,160 @@
+"""One step of the scheduler as a plan, then its run (flashinfer's plan/run habit).
+
+:func:`plan_step` chooses what the step computes: one decode item per request past its prompt
+(its pending token and any draft) and, within ``step_tokens``, the next piece of each prompt still
+being read (chunked prefill). :meth:`StepPlan.build` packs the items into one input with their
+positions and arena rows, writes the rows' positions, makes the rows written by the step visible
+to their requests, and builds the mask: each query sees, by schema position, its own request's
+visible rows only — its modules' rows and its own — never another request's; reference-mode
+requests bring the oracle's explicit mask. :meth:`StepPlan.run` is the forward; it returns the
+logits of the tokens that choose a next token, which :meth:`StepPlan.outputs` hands back per item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from pckernels.engine.arena import KVArena
+from pckernels.engine.buffer import BufferCache
+from pckernels.engine.running import Running
+from pckernels.integration.adapters import ModelAdapter
+from pckernels.integration.attention import AttentionSpec
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class StepItem:
+    """One request's share of a step: ``tokens`` at ``positions`` into arena ``rows``, from
+    ``offset`` in the packed input; ``decode``: its pending token (and a draft), else a piece of
+    its prompt (``last_of_prompt``: the piece that ends it)."""
+
+    active: Running
+    tokens: list[int]
+    positions: list[int]
+    rows: list[int]
+    offset: int
+    decode: bool
+    last_of_prompt: bool
+
+
+def plan_step(running: list[Running], step_tokens: int, drafts: Callable[[Running], list[int]]) -> list[StepItem]:
+    """The items of the next step: decode items first, then prompt pieces within ``step_tokens``
+    (a prompt with an explicit mask is read whole, in a step of its own size if it must)."""
+    items: list[StepItem] = []
+    offset = 0
+    for active in running:
+        if not active.reading and active.pending is not None:
+            tokens = [active.pending] + drafts(active)
+            first = len(active.new_tokens) + active.decoded_rows
+            items.append(StepItem(active, tokens, list(range(active.next_pos, active.next_pos + len(tokens))),
+                                  active.rows[first:first + len(tokens)], offset, True, False))
+            offset += len(tokens)
+    budget = step_tokens
+    for active in running:
+        if not active.reading:
+            continue
+        left = len(active.new_tokens) - active.prefilled
+        whole = active.live is not None  # an explicit prefill mask needs every token in one forward
+        if whole and left > budget and budget < step_tokens:
+            continue
+        count = left if whole else min(left, budget)
+        if count <= 0:
+            break
+        first = active.prefilled
+        items.append(StepItem(active, active.new_tokens[first:first + count],
+                              active.new_positions[first:first + count], active.rows[first:first + count],
+                              offset, False, first + count == len(active.new_tokens)))
+        offset += count
+        budget -= count
+        if budget <= 0:
+            break
+    return items
+
+
+@dataclass
+class StepPlan:
+    """A built step: ``ids [1, Q]`` at ``positions [Q]`` into arena ``rows [Q]``, attention over
+    rows ``0 .. extent - 1`` as ``spec`` says; ``keep [k]``: the packed indices whose logits are
+    wanted, those of ``wanted`` items in order (a decode item's every token, a prompt's last)."""
+
+    items: list[StepItem]
+    ids: torch.Tensor
+    positions: torch.Tensor
+    rows: torch.Tensor
+    extent: int
+    spec: AttentionSpec
+    keep: torch.Tensor
+    wanted: list[StepItem]
+
+    @classmethod
+    def build(cls, items: list[StepItem], arena: KVArena, dtype: torch.dtype, device: torch.device) -> "StepPlan":
+        """Pack ``items`` (module docstring). Writes the rows' positions into ``arena.row_pos`` and
+        the step's visible rows into each request: the step's keys are the rows as they will be."""
+        ids = torch.tensor([[t for item in items for t in item.tokens]], dtype=torch.long, device=device)
+        positions = torch.tensor([p for item in items for p in item.positions], dtype=torch.long, device=device)
+        rows = torch.tensor([r for item in items for r in item.rows], dtype=torch.long, device=device)
+        arena.row_pos[rows] = positions
+        for item in items:
+            _make_visible(item, device)
+        extent = 1 + max(max(max(item.rows), item.active.max_row) for item in items)
+        allowed = torch.zeros(len(positions), extent, dtype=torch.bool, device=device)
+        key_pos = arena.row_pos[:extent]
+        for item in items:
+            active = item.active
+            span = slice(item.offset, item.offset + len(item.tokens))
+            if not item.decode and active.live is not None:
+                own = torch.tensor(active.rows[:len(active.new_tokens)], dtype=torch.long, device=device)
+                view = torch.zeros(len(item.tokens), extent, dtype=torch.bool, device=device)
+                view[:, own] = active.request.plan.prefill_mask.to(device)
+                allowed[span] = view
+                continue
+            visible = torch.zeros(extent, dtype=torch.bool, device=device)
+            visible[active.block_rows] = True
+            visible[active.own_visible] = True
+            allowed[span] = visible[None, :] & (key_pos[None, :] <= positions[span, None])
+        bias = torch.full(allowed.shape, NEG_INF, dtype=dtype, device=device)
+        bias.masked_fill_(allowed, 0.0)
+        wanted = [item for item in items if item.decode or item.last_of_prompt]
+        keep = torch.tensor([row for item in wanted
+                             for row in (range(item.offset, item.offset + len(item.tokens)) if item.decode
+                                         else (item.offset + len(item.tokens) - 1,))],
+                            dtype=torch.long, device=device)
+        return cls(items, ids, positions, rows, extent, AttentionSpec(bias, positions, key_pos), keep, wanted)
+
+    def run(self, adapter: ModelAdapter, cache: BufferCache) -> torch.Tensor:
+        """The step's forward over the arena (``cache``); logits ``[k, vocab]`` of ``keep``."""
+        cache.prepare(rows=self.rows, start=0, extent=self.extent)
+        return adapter.forward(self.ids, self.positions[None], self.spec, cache, keep=self.keep)
+
+    def outputs(self, logits: torch.Tensor) -> Iterator[tuple[StepItem, torch.Tensor]]:
+        """Per wanted item, its logits: ``[len(tokens), vocab]`` for a decode item, ``[vocab]`` for
+        the last token of a prompt."""
+        index = 0
+        for item in self.wanted:
+            if item.decode:
+                yield item, logits[index:index + len(item.tokens)]
+                index += len(item.tokens)
+            else:
+                yield item, logits[index]
+                index += 1
+
+
+def _make_visible(item: StepItem, device: torch.device) -> None:
+    """Own rows written by this step become visible to the request (its live ones)."""
+    active = item.active
+    if item.decode:
+        fresh = item.rows[max(0, active.shown_decoded - active.decoded_rows):]
+        active.shown_decoded = max(active.shown_decoded, active.decoded_rows + len(item.rows))
+    elif active.live is not None:
+        first = active.prefilled
+        fresh = [row for row, live in zip(item.rows, active.live[first:first + len(item.rows)]) if live]
+    else:
+        fresh = item.rows
+    if fresh:
+        add = torch.tensor(fresh, dtype=torch.long, device=device)
+        active.own_visible = torch.cat([active.own_visible, add])
+        active.max_row = max(active.max_row, max(fresh))
