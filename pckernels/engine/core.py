@@ -35,7 +35,7 @@ from pckernels.integration.positions import KeyRotation, probe_key_rotation
 from pckernels.pml import check_answerable, parse_prompt, parse_schema
 from pckernels.pml.model import ROOT, ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
-from pckernels.program.core import ProgramCall
+from pckernels.program import ProgramCall
 from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir, parse_budgets
 from pckernels.store.remote import DEFAULT_NAMESPACE, parse_remote_url
 from pckernels.store.tiered import default_device_budget, parse_size
