@@ -28,32 +28,27 @@ from pckernels.errors import PMLError, UnknownSchemaError
 from pckernels.pml.document import Limits, Source, TextPart, is_valid_name, local_tag, read_document
 from pckernels.pml.elements import (
     ROLE_TAGS,
+    Pieces,
+    RoleTags,
     attributes,
     check_placement,
     is_empty,
+    qualify,
     space_mode,
     text_offset,
     text_runs,
 )
 from pckernels.pml.model import ROOT, Module, ResolvedPrompt, Schema, Segment
 from pckernels.pml.placement import Layout, compact_layout
-from pckernels.pml.roles import role_format
 from pckernels.pml.tokens import encode_batch
 
 
 @dataclass
-class _TextRun:
-    """A run of prompt text, kept as pieces until it is read (so appending stays linear)."""
+class _TextRun(Pieces):
+    """A run of prompt text."""
 
-    pieces: list[str]
     offset: int | None
     ids: tuple[int, ...] = ()
-
-    @property
-    def text(self) -> str:
-        if len(self.pieces) != 1:
-            self.pieces[:] = ["".join(self.pieces)]
-        return self.pieces[0]
 
 
 @dataclass
@@ -72,14 +67,6 @@ class _Import:
     children: list["_Import"] = field(default_factory=list)
 
 
-def _qualify(parent: str, name: str) -> str:
-    return name if parent == ROOT else f"{parent}/{name}"
-
-
-def _span_label(start: int, end: int) -> str:
-    return f"position {start}" if end - start <= 1 else f"positions {start}-{end - 1}"
-
-
 class _PromptReader:
     """Reads the prompt tree into a stream of text runs and imports (pass 1)."""
 
@@ -89,7 +76,7 @@ class _PromptReader:
         self.stream: list[_TextRun | _Import] = []
         self.explicit: dict[str, Any] = {}
         self.implicit: set[str] = set()
-        self._roles = None
+        self.roles = RoleTags(source, schema.tokenizer)
 
     def error(self, message: str, element: Any = None, offset: int | None = None) -> PMLError:
         return self.source.error(message, element, offset=offset)
@@ -116,26 +103,10 @@ class _PromptReader:
                 self.stream.append(self._import(part, ROOT))
 
     def _role(self, element: Any, preserve: bool, *, in_role: bool) -> None:
-        tag = element.tag
-        if in_role:
-            raise self.error(f"<{tag}> cannot be inside another role tag", element)
-        attributes(self.source, element, ())
-        if self._roles is None:
-            self._roles = role_format(self.schema.tokenizer)
-        preserve = space_mode(self.source, element, preserve)
         offset = self.source.element_offset(element)
-        if tag == "assistant" and is_empty(element) and not (preserve and element.text):
-            self._add_text(self._roles.generation_prompt, offset)
-            return
-        if tag not in self._roles.affixes:
-            raise self.error(f"<{tag}> cannot be expanded: {self._roles.unsupported[tag]}",
-                             element)
-        prefix, suffix = self._roles.affixes[tag]
-        if prefix:
-            self._add_text(prefix, offset)
-        self._content(element, preserve, in_role=True)
-        if suffix:
-            self._add_text(suffix, offset)
+        self.roles.expand(element, preserve, in_role=in_role,
+                          add_text=lambda text: self._add_text(text, offset),
+                          add_content=lambda keep: self._content(element, keep, in_role=True))
 
     def _resolve(self, scope: str, name: str, element: Any) -> list[str]:
         """Qualified names from ``scope`` down to the module ``name`` (a path with '/')."""
@@ -143,7 +114,7 @@ class _PromptReader:
         chain = []
         current = scope
         for part in parts:
-            qualified = _qualify(current, part) if part else None
+            qualified = qualify(current, part) if part else None
             if not part or not is_valid_name(part) or qualified not in self.schema.modules:
                 raise self.error(self._unknown_message(scope, name), element)
             chain.append(qualified)
@@ -157,7 +128,7 @@ class _PromptReader:
         qualified = [m for m in modules if m != ROOT]
         message = f"unknown module {name!r} in {where}"
         nested = [m for m in qualified
-                  if m.rsplit("/", 1)[-1] == name and m != _qualify(scope, name)]
+                  if m.rsplit("/", 1)[-1] == name and m != qualify(scope, name)]
         if nested:
             target = nested[0]
             message += (f"; {target!r} is nested: import it as <module name=\"{target}\"/> or "
@@ -188,7 +159,7 @@ class _PromptReader:
         if tag == "scaffold":
             name = attributes(self.source, element, ("name",), ("name",))["name"]
             return self._scaffold_import(element, scope, name)
-        if tag != "module" and _qualify(scope, tag) not in self.schema.modules \
+        if tag != "module" and qualify(scope, tag) not in self.schema.modules \
                 and tag in self.schema.scaffolds:
             if element.attrib:
                 raise self.error(f"scaffold {tag!r} takes no arguments; import its members "

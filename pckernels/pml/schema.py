@@ -21,16 +21,18 @@ from pckernels.pml.document import Limits, Source, TextPart, local_tag, read_doc
 from pckernels.pml.elements import (
     ROLE_TAGS,
     XML_WHITESPACE,
+    Pieces,
+    RoleTags,
     attributes,
     check_name,
     check_placement,
     is_empty,
+    qualify,
     space_mode,
     text_offset,
     text_runs,
 )
 from pckernels.pml.model import ROOT, LayoutEntry, Module, Param, Scaffold, Schema
-from pckernels.pml.roles import role_format
 from pckernels.pml.tokens import encode_batch, fingerprint, placeholder_token_id, special_prefix
 
 log = logging.getLogger(__name__)
@@ -43,18 +45,11 @@ _SCHEMA_TAGS = ("module", "union", "scaffold") + _PARAM_TAGS + ROLE_TAGS
 
 
 @dataclass
-class _Text:
-    """A run of module text, kept as pieces until it is read (so appending stays linear)."""
+class _Text(Pieces):
+    """A run of module text."""
 
-    pieces: list[str]
     ids: tuple[int, ...] | None = None
     """Set by ``_LazyEncoder`` when the layout reaches the text."""
-
-    @property
-    def text(self) -> str:
-        if len(self.pieces) != 1:
-            self.pieces[:] = ["".join(self.pieces)]
-        return self.pieces[0]
 
 
 @dataclass
@@ -93,14 +88,11 @@ class _ModuleDecl:
 
 
 @dataclass
-class _UnionDecl:
-    name: str
-    layout_parent: str | None
-    members: list[_ModuleDecl] = field(default_factory=list)
+class _GroupDecl:
+    """A ``<union>`` (``kind``; its members are alternatives at the same positions) or a
+    ``<scaffold>`` (its members follow one another and are encoded together)."""
 
-
-@dataclass
-class _ScaffoldDecl:
+    kind: str
     name: str
     layout_parent: str | None
     members: list[_ModuleDecl] = field(default_factory=list)
@@ -108,10 +100,6 @@ class _ScaffoldDecl:
 
 def _is_param(part: Any) -> bool:
     return isinstance(part, etree._Element) and part.tag in _PARAM_TAGS
-
-
-def _qualify(parent: str, name: str) -> str:
-    return name if parent == ROOT else f"{parent}/{name}"
 
 
 @dataclass(frozen=True)
@@ -148,11 +136,11 @@ class _SchemaReader:
         self.module_count = 0
         self.src_bytes = 0
         self.src_records: list[tuple[str, str]] = []
-        self.unions: dict[str, _UnionDecl] = {}
-        self.scaffolds: dict[str, _ScaffoldDecl] = {}
+        self.unions: dict[str, _GroupDecl] = {}
+        self.scaffolds: dict[str, _GroupDecl] = {}
         self.top_names: dict[str, str] = {}
         self.placement = "schema"
-        self._roles = None
+        self.roles = RoleTags(source, tokenizer)
 
     def error(self, message: str, element: Any = None, offset: int | None = None) -> PMLError:
         return self.source.error(message, element, offset=offset)
@@ -171,9 +159,9 @@ class _SchemaReader:
         prefix = special_prefix(self.tokenizer)
         if prefix:
             scope.items.insert(0, _Tokens(prefix))
-        elif self._roles is not None and self._roles.conversation_start:
-            scope.items.insert(0, _Text([self._roles.conversation_start]))
-        if not any(isinstance(item, (_Text, _ModuleDecl, _UnionDecl, _ScaffoldDecl))
+        elif self.roles.format is not None and self.roles.format.conversation_start:
+            scope.items.insert(0, _Text([self.roles.format.conversation_start]))
+        if not any(isinstance(item, (_Text, _ModuleDecl, _GroupDecl))
                    for item in scope.items):
             raise self.error(f"empty schema {name!r}: add text or <module> elements", root)
         if self.union_scaffolds:
@@ -247,7 +235,7 @@ class _SchemaReader:
                              "(Limits.max_modules)", element)
         if layout_parent is None and scope.name != ROOT:
             layout_parent = scope.name
-        decl = _ModuleDecl(_qualify(scope.name, local), scope.name, layout_parent, element,
+        decl = _ModuleDecl(qualify(scope.name, local), scope.name, layout_parent, element,
                            union=union, scaffold=scaffold,
                            cached=self._cached(scope, element, values.get("cache"), scaffold))
         preserve = space_mode(self.source, element, preserve)
@@ -381,7 +369,7 @@ class _SchemaReader:
                                   in_scaffold=in_scaffold, union=union, scaffold=scaffold,
                                   layout_parent=union or scaffold)
             if scaffold is not None and any(
-                    isinstance(item, (_ModuleDecl, _UnionDecl, _ScaffoldDecl))
+                    isinstance(item, (_ModuleDecl, _GroupDecl))
                     for item in member.items):
                 raise self.error(f"scaffold {scaffold!r}: member {member.name!r} contains nested "
                                  "modules; scaffold members must be leaf modules (their joint "
@@ -393,29 +381,15 @@ class _SchemaReader:
         return members
 
     def _union(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
-               in_scaffold: bool) -> _UnionDecl:
+               in_scaffold: bool) -> _GroupDecl:
         values = attributes(self.source, element, ("name", "scaffold"))
         if "scaffold" in values:
             self.union_scaffolds.append(element)
-        if "name" in values:
-            name = check_name(self.source, element, values["name"], "union")
-            if name in self.unions or name in self.scaffolds or name in self.top_names:
-                raise self.error(f"duplicate name {name!r}: union names must differ from other "
-                                 "unions, scaffolds and top-level modules", element)
-        else:
-            name = f"@union{len(self.unions) + 1}"
-        if scope.name == ROOT:
-            self.top_names[name] = "union"
-        layout_parent = None if scope.name == ROOT else scope.name
-        decl = _UnionDecl(name, layout_parent)
-        self.unions[name] = decl
-        decl.members = self._members(scope, element, "union", preserve=preserve,
-                                     in_role=in_role, in_scaffold=in_scaffold, union=name,
-                                     scaffold=None)
-        return decl
+        return self._group(scope, element, "union", values.get("name"), preserve=preserve,
+                           in_role=in_role, in_scaffold=in_scaffold)
 
     def _scaffold(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
-                  in_scaffold: bool) -> _ScaffoldDecl:
+                  in_scaffold: bool) -> _GroupDecl:
         if in_scaffold:
             raise self.error("scaffolds do not nest: this <scaffold> is inside another "
                              "scaffold's module", element)
@@ -424,41 +398,35 @@ class _SchemaReader:
                              "cache=\"false\": scaffold members are encoded together and "
                              "cached", element)
         values = attributes(self.source, element, ("name",), ("name",))
-        name = check_name(self.source, element, values["name"], "scaffold")
-        if name in self.scaffolds or name in self.unions or name in self.top_names:
-            raise self.error(f"duplicate name {name!r}: scaffold names must differ from "
-                             "other scaffolds, unions and top-level modules", element)
+        return self._group(scope, element, "scaffold", values["name"], preserve=preserve,
+                           in_role=in_role, in_scaffold=True)
+
+    def _group(self, scope: _ModuleDecl, element: Any, kind: str, name: str | None, *,
+               preserve: bool, in_role: bool, in_scaffold: bool) -> _GroupDecl:
+        """Declare a ``kind`` (``"union"`` or ``"scaffold"``) named ``name`` (``None``: an
+        unnamed union) and read its member modules."""
+        if name is None:
+            name = f"@union{len(self.unions) + 1}"
+        else:
+            name = check_name(self.source, element, name, kind)
+            if name in self.unions or name in self.scaffolds or name in self.top_names:
+                others = "unions, scaffolds" if kind == "union" else "scaffolds, unions"
+                raise self.error(f"duplicate name {name!r}: {kind} names must differ from other "
+                                 f"{others} and top-level modules", element)
         if scope.name == ROOT:
-            self.top_names[name] = "scaffold"
-        layout_parent = None if scope.name == ROOT else scope.name
-        decl = _ScaffoldDecl(name, layout_parent)
-        self.scaffolds[name] = decl
-        decl.members = self._members(scope, element, "scaffold", preserve=preserve,
-                                     in_role=in_role, in_scaffold=True, union=None,
-                                     scaffold=name)
+            self.top_names[name] = kind
+        decl = _GroupDecl(kind, name, None if scope.name == ROOT else scope.name)
+        (self.unions if kind == "union" else self.scaffolds)[name] = decl
+        decl.members = self._members(scope, element, kind, preserve=preserve, in_role=in_role,
+                                     in_scaffold=in_scaffold, union=name if kind == "union" else None,
+                                     scaffold=name if kind == "scaffold" else None)
         return decl
 
     def _role(self, scope: _ModuleDecl, element: Any, *, preserve: bool, in_role: bool,
               in_scaffold: bool) -> None:
-        tag = element.tag
-        if in_role:
-            raise self.error(f"<{tag}> cannot be inside another role tag", element)
-        attributes(self.source, element, ())
-        if self._roles is None:
-            self._roles = role_format(self.tokenizer)
-        preserve = space_mode(self.source, element, preserve)
-        if tag == "assistant" and is_empty(element) and not (preserve and element.text):
-            scope.add_text(self._roles.generation_prompt)
-            return
-        if tag not in self._roles.affixes:
-            raise self.error(f"<{tag}> cannot be expanded: {self._roles.unsupported[tag]}",
-                             element)
-        prefix, suffix = self._roles.affixes[tag]
-        if prefix:
-            scope.add_text(prefix)
-        self._fill(scope, element, preserve=preserve, in_role=True, in_scaffold=in_scaffold)
-        if suffix:
-            scope.add_text(suffix)
+        self.roles.expand(element, preserve, in_role=in_role, add_text=scope.add_text,
+                          add_content=lambda keep: self._fill(scope, element, preserve=keep, in_role=True,
+                                                              in_scaffold=in_scaffold))
 
 
 _BATCH_CHARS = 1 << 20
@@ -590,27 +558,8 @@ class _Layout:
             elif isinstance(item, _ModuleDecl):
                 children.append(item.name)
                 position = self.module(item, position)
-            elif isinstance(item, _UnionDecl):
-                index = len(self.entries)
-                self.entries.append(LayoutEntry(item.name, "union", position, 0,
-                                                item.layout_parent))
-                end = position
-                for member in item.members:
-                    children.append(member.name)
-                    end = max(end, self.module(member, position))
-                self.entries[index] = LayoutEntry(item.name, "union", position, end - position,
-                                                  item.layout_parent)
-                position = end
-            elif isinstance(item, _ScaffoldDecl):
-                index = len(self.entries)
-                self.entries.append(LayoutEntry(item.name, "scaffold", position, 0,
-                                                item.layout_parent))
-                first = position
-                for member in item.members:
-                    children.append(member.name)
-                    position = self.module(member, position)
-                self.entries[index] = LayoutEntry(item.name, "scaffold", first, position - first,
-                                                  item.layout_parent)
+            elif isinstance(item, _GroupDecl):
+                position = self._group(item, position, children)
         if entry_index is not None:
             self.entries[entry_index] = LayoutEntry(decl.name, "module", start, position - start,
                                                     decl.layout_parent)
@@ -620,6 +569,18 @@ class _Layout:
             scaffolds=(decl.scaffold,) if decl.scaffold else (), children=tuple(children),
             start=start, length=position - start, cached=decl.cached)
         return position
+
+    def _group(self, group: _GroupDecl, start: int, children: list[str]) -> int:
+        """Lay out a union's members from ``start`` each, or a scaffold's one after another;
+        returns the first position after the group."""
+        index = len(self.entries)
+        self.entries.append(LayoutEntry(group.name, group.kind, start, 0, group.layout_parent))
+        end = start
+        for member in group.members:
+            children.append(member.name)
+            end = max(end, self.module(member, start)) if group.kind == "union" else self.module(member, end)
+        self.entries[index] = LayoutEntry(group.name, group.kind, start, end - start, group.layout_parent)
+        return end
 
     def _anonymous(self, start: int, count: int) -> None:
         if self.entries:
@@ -636,7 +597,7 @@ def _walk(decl: _ModuleDecl):
         yield item
         if isinstance(item, _ModuleDecl):
             yield from _walk(item)
-        elif isinstance(item, (_UnionDecl, _ScaffoldDecl)):
+        elif isinstance(item, _GroupDecl):
             for member in item.members:
                 yield member
                 yield from _walk(member)
