@@ -60,7 +60,7 @@ def read_function(function: Callable) -> tuple[ast.FunctionDef, Source]:
 
 
 def read_params(function: Callable, signature: inspect.Signature, tree: ast.FunctionDef,
-            source: Source) -> dict[str, int | None]:
+                source: Source) -> dict[str, int | None]:
     """Parameter name -> its ``MaxTokens`` limit (``None``: none declared)."""
     try:
         hints = typing.get_type_hints(function, include_extras=True)
