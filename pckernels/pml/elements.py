@@ -1,8 +1,9 @@
-"""Helpers shared by the schema and prompt parsers: attributes, names and text runs."""
+"""Helpers shared by the schema and prompt parsers: attributes, names, text runs, role tags."""
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from lxml import etree
 
@@ -14,7 +15,9 @@ from pckernels.pml.document import (
     element_content,
     is_valid_name,
 )
+from pckernels.pml.model import ROOT
 from pckernels.pml.placement import PLACEMENTS
+from pckernels.pml.roles import RoleFormat, role_format
 
 XML_WHITESPACE = " \t\r\n"
 ROLE_TAGS = ("system", "user", "assistant")
@@ -105,3 +108,55 @@ def text_offset(source: Source, part: TextPart) -> int | None:
     """Source offset of the first kept character of a text run (approximate after comments)."""
     offset = source.text_offset(part.anchor, tail=part.tail)
     return None if offset is None else offset + part.skipped
+
+
+def qualify(parent: str, name: str) -> str:
+    """The qualified name of module ``name`` inside module ``parent`` (``ROOT``: the top level)."""
+    return name if parent == ROOT else f"{parent}/{name}"
+
+
+@dataclass
+class Pieces:
+    """A run of text kept as pieces until it is read (so appending stays linear)."""
+
+    pieces: list[str]
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) != 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0]
+
+
+class RoleTags:
+    """Expands role tags (``<system>``, ``<user>``, ``<assistant>``) in ``tokenizer``'s chat
+    format, found when the first role tag is read (``format``; ``None`` until then)."""
+
+    def __init__(self, source: Source, tokenizer: Any) -> None:
+        self.source = source
+        self.tokenizer = tokenizer
+        self.format: RoleFormat | None = None
+
+    def expand(self, element: etree._Element, preserve: bool, *, in_role: bool,
+               add_text: Callable[[str], None], add_content: Callable[[bool], None]) -> None:
+        """Add the role's prefix, its content (``add_content(preserve)``) and its suffix; an
+        empty ``<assistant/>`` adds the generation prompt."""
+        tag = element.tag
+        if in_role:
+            raise self.source.error(f"<{tag}> cannot be inside another role tag", element)
+        attributes(self.source, element, ())
+        if self.format is None:
+            self.format = role_format(self.tokenizer)
+        preserve = space_mode(self.source, element, preserve)
+        if tag == "assistant" and is_empty(element) and not (preserve and element.text):
+            add_text(self.format.generation_prompt)
+            return
+        if tag not in self.format.affixes:
+            raise self.source.error(f"<{tag}> cannot be expanded: {self.format.unsupported[tag]}",
+                                    element)
+        prefix, suffix = self.format.affixes[tag]
+        if prefix:
+            add_text(prefix)
+        add_content(preserve)
+        if suffix:
+            add_text(suffix)

@@ -16,9 +16,10 @@ generation prompt ``"Assistant:"``.
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from pckernels.pml.tokens import PerTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ PLAIN_FORMAT = RoleFormat(
     from_template=False,
 )
 
-_CACHE: "weakref.WeakKeyDictionary[Any, tuple[str, RoleFormat]]" = weakref.WeakKeyDictionary()
+_FORMATS: PerTokenizer[RoleFormat] = PerTokenizer()
 
 
 def role_format(tokenizer: Any) -> RoleFormat:
@@ -66,18 +67,7 @@ def role_format(tokenizer: Any) -> RoleFormat:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or not template.strip():
         return PLAIN_FORMAT
-    try:
-        cached = _CACHE.get(tokenizer)
-    except TypeError:
-        cached = None
-    if cached is not None and cached[0] == template:
-        return cached[1]
-    found = _from_template(tokenizer)
-    try:
-        _CACHE[tokenizer] = (template, found)
-    except TypeError:
-        pass
-    return found
+    return _FORMATS.get(tokenizer, template, lambda: _from_template(tokenizer))
 
 
 def _render(tokenizer: Any, messages: tuple[tuple[str, str], ...], generation: bool) -> str | None:

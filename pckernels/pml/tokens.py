@@ -9,14 +9,39 @@ from __future__ import annotations
 import hashlib
 import logging
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from pckernels.errors import PMLError
 
 log = logging.getLogger(__name__)
 
-_FINGERPRINTS: "weakref.WeakKeyDictionary[Any, tuple[str | None, str]]" = \
-    weakref.WeakKeyDictionary()
+T = TypeVar("T")
+
+
+class PerTokenizer(Generic[T]):
+    """Values computed once per tokenizer and chat template, weakly keyed (a tokenizer that
+    cannot be weakly referenced or hashed gets a fresh value every time)."""
+
+    def __init__(self) -> None:
+        self._values: weakref.WeakKeyDictionary[Any, tuple[str | None, T]] = weakref.WeakKeyDictionary()
+
+    def get(self, tokenizer: Any, template: str | None, compute: Callable[[], T]) -> T:
+        """The value kept for ``tokenizer`` with ``template``, else ``compute()`` (then kept)."""
+        try:
+            cached = self._values.get(tokenizer)
+        except TypeError:
+            cached = None
+        if cached is not None and cached[0] == template:
+            return cached[1]
+        value = compute()
+        try:
+            self._values[tokenizer] = (template, value)
+        except TypeError:
+            pass
+        return value
+
+
+_FINGERPRINTS: PerTokenizer[str] = PerTokenizer()
 
 
 def encode_batch(tokenizer: Any, texts: Sequence[str]) -> list[tuple[int, ...]]:
@@ -62,12 +87,10 @@ def fingerprint(tokenizer: Any) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):
         template = None
-    try:
-        cached = _FINGERPRINTS.get(tokenizer)
-    except TypeError:
-        cached = None
-    if cached is not None and cached[0] == template:
-        return cached[1]
+    return _FINGERPRINTS.get(tokenizer, template, lambda: _fingerprint(tokenizer, template))
+
+
+def _fingerprint(tokenizer: Any, template: str | None) -> str:
     digest = hashlib.sha256()
     digest.update(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -80,9 +103,4 @@ def fingerprint(tokenizer: Any) -> str:
     for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
         digest.update(f"{name}={getattr(tokenizer, name, None)!r}\n".encode())
     digest.update((template or "").encode())
-    value = digest.hexdigest()
-    try:
-        _FINGERPRINTS[tokenizer] = (template, value)
-    except TypeError:
-        pass
-    return value
+    return digest.hexdigest()

@@ -23,8 +23,10 @@ one module per element. See ``docs/program.md``.
 """
 
 from pckernels.errors import ProgramError
-from pckernels.program.core import Program, ProgramCall, program
-from pckernels.program.roles import MaxTokens, assistant, chat_format, system, user
+from pckernels.program.call import ProgramCall
+from pckernels.program.core import Program, program
+from pckernels.program.format import chat_format
+from pckernels.program.roles import MaxTokens, assistant, system, user
 
 __all__ = ["MaxTokens", "Program", "ProgramCall", "ProgramError", "assistant", "chat_format", "program",
            "system", "user"]

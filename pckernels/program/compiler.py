@@ -16,38 +16,16 @@ Everything else raises :class:`~pckernels.errors.ProgramError` with the file, li
 from __future__ import annotations
 
 import ast
-import builtins
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pckernels.errors import ProgramError
 from pckernels.program import nodes as n
-from pckernels.program.names import Scope, value_label
+from pckernels.program.expressions import MISSING, ExpressionReader
+from pckernels.program.names import Scope, common_subject, test_label, value_label
+from pckernels.program.refusals import refusal
 from pckernels.program.roles import ROLE_HELPERS
-
-_MISSING = object()
-
-
-@dataclass
-class Source:
-    """The program's parsed source and how to locate its nodes in the file."""
-
-    filename: str
-    lines: list[str]
-    first_line: int
-    indent: int
-
-    def error(self, node: ast.AST | None, message: str) -> ProgramError:
-        if node is None or not hasattr(node, "lineno"):
-            return ProgramError(message, filename=self.filename)
-        text = self.lines[node.lineno - 1] if node.lineno <= len(self.lines) else ""
-        column = len(text.encode("utf-8")[:node.col_offset].decode("utf-8", "replace")) + self.indent + 1
-        segment = ast.get_source_segment("\n".join(self.lines), node) or ""
-        segment = " ".join(segment.split())
-        shown = f"`{segment[:60]}{'…' if len(segment) > 60 else ''}`: " if segment else ""
-        return ProgramError(shown + message, filename=self.filename, line=node.lineno + self.first_line - 1,
-                            column=column)
+from pckernels.program.source import Source
 
 
 @dataclass
@@ -59,37 +37,16 @@ class Compiled:
     """``(name, object, snapshot)`` of the globals read (a snapshot of mutable containers)."""
 
 
-def snapshot(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(value)
-    if isinstance(value, (dict, set)):
-        return repr(value)
-    return None
-
-
-class Compiler:
+class Compiler(ExpressionReader):
     """Compiles one function's ``ast.FunctionDef`` (``tree``) with its parameters ``params``
     (name -> ``MaxTokens`` limit or ``None``). ``is_program`` tells a decorated program."""
 
     def __init__(self, func: Callable, tree: ast.FunctionDef, source: Source,
                  params: dict[str, int | None], is_program: Callable[[Any], bool]) -> None:
-        self.func = func
+        super().__init__(func, tree, source, params)
         self.tree = tree
-        self.source = source
-        self.params = params
         self.is_program = is_program
-        self.acc: str | None = None
-        self.loop_names = {t.id for node in ast.walk(tree) if isinstance(node, (ast.For, ast.comprehension))
-                           for t in ast.walk(node.target) if isinstance(t, ast.Name)}
-        closure = func.__closure__ or ()
-        self.nonlocals = dict(zip(func.__code__.co_freevars, closure))
-        self.watched: dict[str, tuple[Any, Any]] = {}
         self.root = Scope()
-
-    def error(self, node: ast.AST | None, message: str) -> ProgramError:
-        return self.source.error(node, message)
-
-    # -- statements -------------------------------------------------------------------------------
 
     def compile(self) -> Compiled:
         body = list(self.tree.body)
@@ -154,7 +111,7 @@ class Compiler:
             return self.match(stmt, bindings, scope)
         if isinstance(stmt, ast.For):
             return self.loop(stmt, bindings, scope)
-        raise self.error(stmt, _refusal(stmt, self.acc))
+        raise self.error(stmt, refusal(stmt, self.acc))
 
     def if_chain(self, stmt: ast.If, bindings: dict[str, Any], scope: Scope) -> list[n.Node]:
         chain: list[tuple[ast.expr | None, list[ast.stmt]]] = []
@@ -166,18 +123,18 @@ class Compiler:
             if current is None and orelse:
                 chain.append((None, orelse))
         tests = [None if test is None else self.test(test, bindings) for test, _ in chain]
-        labels = [_test_label(t) for t in tests]
+        labels = [test_label(t) for t in tests]
         flag = tests[0].name if isinstance(tests[0], n.Arg) else None
         if flag and len(tests) == 2 and tests[1] is None:
             labels[1] = f"not-{flag}"
-        return self._choice(chain, tests, labels, _common_subject(tests) or flag or "choice", bindings, scope,
+        return self._choice(chain, tests, labels, common_subject(tests) or flag or "choice", bindings, scope,
                             single=len(chain) == 1)
 
     def _choice(self, chain, tests, labels, hint: str, bindings, scope: Scope, *, single: bool) -> list[n.Node]:
         """Branches -> a module (``single``), a union, or (tests decided here) the chosen body."""
         dynamic = []
         for (test_node, body), test, label in zip(chain, tests, labels):
-            if test is not None and _is_static(test):
+            if test is not None and n.is_static(test):
                 try:
                     taken = bool(test.eval({}))
                 except Exception as exc:  # the constants' own comparison failed: refuse, located
@@ -219,7 +176,7 @@ class Compiler:
     def pattern(self, pattern: ast.pattern, subject: n.Expr, bindings, index: int) -> tuple[n.Expr | None, str]:
         if isinstance(pattern, ast.MatchValue):
             value = self.static(pattern.value, bindings)
-            if value is _MISSING:
+            if value is MISSING:
                 raise self.error(pattern, "a case value must be a constant")
             return n.Compare(subject, ("Eq",), (n.Const(value),)), value_label(value, index)
         if isinstance(pattern, ast.MatchSingleton):
@@ -268,8 +225,6 @@ class Compiler:
                 out.append(n.Module(name, None, tuple(body)))
         return out
 
-    # -- text -------------------------------------------------------------------------------------
-
     def pieces(self, expr: ast.expr, bindings: dict[str, Any], scope: Scope, *, in_role: bool) -> list[n.Node]:
         """The nodes a text expression appends."""
         if isinstance(expr, ast.Constant):
@@ -294,7 +249,7 @@ class Compiler:
         if isinstance(expr, ast.Name) and expr.id in self.params:
             return [self.slot(expr, expr.id, scope, exact_str=True)]
         value = self.static(expr, bindings)
-        if value is not _MISSING:
+        if value is not MISSING:
             if not isinstance(value, str):
                 raise self.error(expr, f"this is a {type(value).__name__}, not a str: format it in an "
                                        "f-string (`f\"{…}\"`)")
@@ -320,7 +275,7 @@ class Compiler:
                 raise self.error(part, "no conversion or format spec on a role helper or program call")
             return self.call(value, bindings, scope, in_role=in_role)
         static = self.static(value, bindings)
-        if static is _MISSING:
+        if static is MISSING:
             raise self.error(value, "an f-string field is a MaxTokens parameter, a constant, a loop "
                                     "variable, a role helper or a program call; compute anything else "
                                     "before calling the program and pass it as a parameter")
@@ -349,9 +304,9 @@ class Compiler:
         callee = self.static(expr.func, bindings)
         if any(isinstance(a, ast.Starred) for a in expr.args) or any(k.arg is None for k in expr.keywords):
             raise self.error(expr, "no *args or **kwargs in a compiled call")
-        if callee is not _MISSING and _is_role(callee):
+        if callee is not MISSING and _is_role(callee):
             return [self.role(expr, ROLE_HELPERS[callee], bindings, scope, in_role=in_role)]
-        if callee is not _MISSING and self.is_program(callee):
+        if callee is not MISSING and self.is_program(callee):
             return [self.program_call(expr, callee, bindings, scope, in_role=in_role)]
         raise self.error(expr, "only role helpers (system, user, assistant) and other prompt programs "
                                "are called in a program; compute anything else before calling it and "
@@ -386,131 +341,11 @@ class Compiler:
         arguments = tuple((k, v if isinstance(v, n.Expr) else n.Const(v)) for k, v in bound.arguments.items())
         return n.Module(scope.take(callee.function.__name__), None, callee.nodes, n.Call(callee, arguments))
 
-    # -- conditions and constants -----------------------------------------------------------------
-
-    def test(self, expr: ast.expr, bindings: dict[str, Any]) -> n.Expr:
-        """A condition (or a call argument) as an ``Expr`` over the parameters."""
-        if isinstance(expr, ast.Name) and expr.id in self.params:
-            return n.Arg(expr.id)
-        if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
-            return n.Not(self.test(expr.operand, bindings))
-        if isinstance(expr, ast.BoolOp):
-            return n.BoolOp(isinstance(expr.op, ast.And), tuple(self.test(v, bindings) for v in expr.values))
-        if isinstance(expr, ast.Compare):
-            return n.Compare(self.test(expr.left, bindings), tuple(type(op).__name__ for op in expr.ops),
-                             tuple(self.test(c, bindings) for c in expr.comparators))
-        value = self.static(expr, bindings)
-        if value is not _MISSING:
-            return n.Const(value)
-        if isinstance(expr, (ast.Attribute, ast.Subscript)) and any(
-                isinstance(x, ast.Name) and x.id in self.params for x in ast.walk(expr)):
-            raise self.error(expr, "test a parameter itself (`style == Style.FORMAL`, `\"x\" in tags`), "
-                                   "not its attributes or items")
-        raise self.error(expr, "a condition compares parameters with constants (==, !=, <, is, in, …) "
-                               "and combines them with and/or/not; compute anything else before calling "
-                               "the program and pass it as a parameter")
-
-    def static(self, expr: ast.expr, bindings: dict[str, Any]) -> Any:
-        """The value of a compile-time constant expression, else ``_MISSING``."""
-        if isinstance(expr, ast.Constant):
-            return expr.value
-        if isinstance(expr, ast.Name):
-            return self.lookup(expr, bindings)
-        if isinstance(expr, ast.Attribute):
-            base = self.static(expr.value, bindings)
-            if base is _MISSING:
-                return _MISSING
-            try:
-                return getattr(base, expr.attr)
-            except Exception as exc:  # whatever reading the constant raised: refuse, located
-                raise self.error(expr, f"cannot read this constant: {exc}") from None
-        if isinstance(expr, ast.Subscript):
-            base, index = self.static(expr.value, bindings), self.static(expr.slice, bindings)
-            if base is _MISSING or index is _MISSING:
-                return _MISSING
-            try:
-                return base[index]
-            except Exception as exc:  # whatever reading the constant raised: refuse, located
-                raise self.error(expr, f"cannot read this constant: {exc}") from None
-        if isinstance(expr, (ast.Tuple, ast.List, ast.Set)):
-            values = [self.static(e, bindings) for e in expr.elts]
-            if any(v is _MISSING for v in values):
-                return _MISSING
-            return frozenset(values) if isinstance(expr, ast.Set) else tuple(values)
-        if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, (ast.USub, ast.UAdd)):
-            value = self.static(expr.operand, bindings)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return -value if isinstance(expr.op, ast.USub) else value
-        return _MISSING
-
-    def lookup(self, expr: ast.Name, bindings: dict[str, Any]) -> Any:
-        name = expr.id
-        if name in bindings:
-            return bindings[name]
-        if name in self.params:
-            return _MISSING
-        if name == self.acc:
-            raise self.error(expr, "the prompt built so far cannot be read inside the program")
-        if name in self.loop_names:
-            raise self.error(expr, f"the loop variable {name!r} is used outside its loop")
-        if name in self.nonlocals:
-            try:
-                return self.nonlocals[name].cell_contents
-            except ValueError:
-                raise self.error(expr, f"{name!r} is not defined yet") from None
-        value = self.func.__globals__.get(name, _MISSING)
-        if value is _MISSING:
-            if name in ("True", "False", "None"):
-                return {"True": True, "False": False, "None": None}[name]
-            value = getattr(builtins, name, _MISSING)
-            if value is _MISSING:
-                raise self.error(expr, f"unknown name {name!r}: define it before the program")
-            return value
-        self.watched[name] = (value, snapshot(value))
-        return value
-
-
 def _is_role(value: Any) -> bool:
     try:
         return value in ROLE_HELPERS
     except TypeError:
         return False
-
-
-def _is_static(expr: n.Expr) -> bool:
-    if isinstance(expr, n.Const):
-        return True
-    if isinstance(expr, n.Arg):
-        return False
-    if isinstance(expr, n.Not):
-        return _is_static(expr.operand)
-    if isinstance(expr, n.BoolOp):
-        return all(_is_static(v) for v in expr.values)
-    if isinstance(expr, n.Compare):
-        return _is_static(expr.left) and all(_is_static(c) for c in expr.comparators)
-    return False
-
-
-def _test_label(test: n.Expr | None) -> str:
-    """A readable module name for a branch taken when ``test`` holds."""
-    if test is None:
-        return "else"
-    if isinstance(test, n.Arg):
-        return test.name
-    if isinstance(test, n.Not) and isinstance(test.operand, n.Arg):
-        return f"not-{test.operand.name}"
-    if isinstance(test, n.Compare) and isinstance(test.left, n.Arg) and len(test.ops) == 1:
-        right = test.comparators[0]
-        if isinstance(right, n.Const) and test.ops[0] in ("Eq", "Is"):
-            return f"{test.left.name}-{value_label(right.value, 0)}"
-        if isinstance(right, n.Const) and test.ops[0] in ("NotEq", "IsNot"):
-            return f"{test.left.name}-not-{value_label(right.value, 0)}"
-    return "branch"
-
-
-def _common_subject(tests: list[n.Expr | None]) -> str | None:
-    names = {t.left.name for t in tests if isinstance(t, n.Compare) and isinstance(t.left, n.Arg)}
-    return names.pop() if len(names) == 1 else None
 
 
 def _flatten_add(expr: ast.expr) -> list[ast.expr]:
@@ -542,39 +377,3 @@ def _merge(nodes: list[n.Node]) -> list[n.Node]:
                 continue
         out.append(node)
     return out
-
-
-_REFUSALS: dict[type, str] = {
-    ast.While: "while loops are not compiled: loop with `for x in CONSTANT:` over a fixed list",
-    ast.Try: "try is not compiled: a program only builds text",
-    ast.With: "with is not compiled: a program only builds text",
-    ast.Raise: "raise is not compiled: validate arguments before calling the program",
-    ast.Assert: "assert is not compiled: validate arguments before calling the program",
-    ast.Import: "imports go outside the program",
-    ast.ImportFrom: "imports go outside the program",
-    ast.FunctionDef: "define helpers outside the program (decorate them with @program to call them)",
-    ast.AsyncFunctionDef: "define helpers outside the program",
-    ast.ClassDef: "define classes outside the program",
-    ast.Global: "global is not compiled: a program has no side effects",
-    ast.Nonlocal: "nonlocal is not compiled: a program has no side effects",
-    ast.Delete: "del is not compiled",
-    ast.Return: "return only at the end of the program",
-    ast.Break: "break is not compiled: every element of a loop gets a module (skip one with `if`)",
-    ast.Continue: "continue is not compiled: skip elements with `if`",
-}
-
-
-def _refusal(stmt: ast.stmt, acc: str | None) -> str:
-    if type(stmt) in _REFUSALS:
-        return _REFUSALS[type(stmt)]
-    if isinstance(stmt, ast.Expr):
-        if isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
-            target = acc or "p"
-            return (f"a bare string does nothing in Python (the original compiler's style); append it: "
-                    f"`{target} += \"…\"`")
-        return "an expression statement is a side effect, not prompt text: append text with `p += …`"
-    if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-        return (f"only the prompt accumulator is assigned, once at the start (`p = …`) and then with "
-                f"`+=`{f' (it is {acc!r} here)' if acc else ''}; compute other values before calling the "
-                "program and pass them as parameters")
-    return f"{type(stmt).__name__} statements are not compiled"

@@ -2,29 +2,27 @@
 
 from __future__ import annotations
 
-import ast
 import functools
 import hashlib
 import inspect
 import logging
-import textwrap
-import typing
 from collections.abc import Callable
 from typing import Any
 
 from pckernels.errors import ProgramError
 from pckernels.program import nodes as n
-from pckernels.program.compiler import Compiler, Source, snapshot
+from pckernels.program.call import ProgramCall
+from pckernels.program.compiler import Compiler
 from pckernels.program.emit import (
-    Argument,
     Structure,
     schema_body,
     split_tail,
     write_prompt,
     write_schema,
 )
+from pckernels.program.expressions import snapshot
 from pckernels.program.names import safe_name
-from pckernels.program.roles import MaxTokens, chat_format
+from pckernels.program.source import read_function, read_params
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +43,8 @@ class Program:
         self.function = function
         functools.update_wrapper(self, function)
         self.signature = inspect.signature(function)
-        tree, source = _read(function)
-        params = _params(function, self.signature, tree, source)
+        tree, source = read_function(function)
+        params = read_params(function, self.signature, tree, source)
         compiled = Compiler(function, tree, source, params, lambda v: isinstance(v, Program)).compile()
         self.nodes: tuple[n.Node, ...] = compiled.nodes
         self.max_tokens = {k: v for k, v in params.items() if v is not None}
@@ -99,69 +97,6 @@ class Program:
         return f"<Program {self.function.__qualname__} schema={self.schema_name!r}>"
 
 
-class ProgramCall:
-    """One call of a :class:`Program`: its PML ``prompt`` (and the program's ``schema``).
-
-    ``render(tokenizer)`` is the text the function returns for these arguments with that
-    tokenizer's chat format; ``str()`` / ``+`` / f-strings give the plain-format render, so a
-    program's function can call another program like a function returning ``str``.
-    """
-
-    __slots__ = ("args", "arguments", "kwargs", "program", "prompt")
-
-    def __init__(self, program: Program, args: tuple, kwargs: dict, prompt: str,
-                 arguments: tuple[Argument, ...]) -> None:
-        self.program = program
-        self.args = args
-        self.kwargs = kwargs
-        self.prompt = prompt
-        self.arguments = arguments
-
-    @property
-    def schema(self) -> str:
-        return self.program.schema
-
-    @property
-    def schema_name(self) -> str:
-        return self.program.schema_name
-
-    def render(self, tokenizer: Any = None) -> str:
-        """The function's output; role helpers expand in ``tokenizer``'s chat format (``None``: plain)."""
-        with chat_format(tokenizer):
-            return self.program.function(*self.args, **self.kwargs)
-
-    def check(self, tokenizer: Any) -> None:
-        """Refuse (``ProgramError``) an argument longer than its ``MaxTokens`` with ``tokenizer``."""
-        from pckernels.pml.tokens import encode_batch
-
-        if not self.arguments:
-            return
-        for argument, ids in zip(self.arguments, encode_batch(tokenizer, [a.value for a in self.arguments])):
-            if len(ids) > argument.max_tokens:
-                raise ProgramError(f"argument {argument.param!r} of {argument.program}() is {len(ids)} tokens, "
-                                   f"longer than its MaxTokens({argument.max_tokens}); shorten it or raise "
-                                   "the limit")
-
-    def __str__(self) -> str:
-        return self.program.function(*self.args, **self.kwargs)
-
-    def __add__(self, other: Any) -> str:
-        if isinstance(other, (str, ProgramCall)):
-            return str(self) + str(other)
-        return NotImplemented
-
-    def __radd__(self, other: Any) -> str:
-        if isinstance(other, str):
-            return other + str(self)
-        return NotImplemented
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
-
-    def __repr__(self) -> str:
-        return f"<ProgramCall {self.program.function.__qualname__} prompt={self.prompt!r}>"
-
-
 def program(function: Callable[..., str] | None = None, *, name: str | None = None):
     """Decorator: compile a prompt function into a :class:`Program` (``docs/program.md``).
 
@@ -172,55 +107,6 @@ def program(function: Callable[..., str] | None = None, *, name: str | None = No
     if function is None:
         return lambda f: Program(f, name=name)
     return Program(function, name=name)
-
-
-def _read(function: Callable) -> tuple[ast.FunctionDef, Source]:
-    try:
-        filename = inspect.getsourcefile(function) or function.__code__.co_filename
-        raw, first = inspect.getsourcelines(function)
-    except (OSError, TypeError, AttributeError) as exc:
-        raise ProgramError(f"cannot read the source of {getattr(function, '__qualname__', function)!r} "
-                           f"({exc}): define prompt programs in a file") from None
-    text = "".join(raw)
-    dedented = textwrap.dedent(text)
-    indent = len(raw[0]) - len(raw[0].lstrip()) if raw else 0
-    source = Source(filename, dedented.splitlines(), first, indent)
-    try:
-        module = ast.parse(dedented)
-    except SyntaxError as exc:
-        raise ProgramError(f"cannot parse the source of {function.__qualname__}: {exc.msg}", filename=filename,
-                           line=(exc.lineno or 1) + first - 1) from None
-    tree = module.body[0] if module.body else None
-    if isinstance(tree, ast.AsyncFunctionDef):
-        raise source.error(tree, "async functions are not compiled: a program only builds text")
-    if not isinstance(tree, ast.FunctionDef):
-        raise source.error(tree, "only functions defined with `def` are compiled (no lambdas)")
-    return tree, source
-
-
-def _params(function: Callable, signature: inspect.Signature, tree: ast.FunctionDef,
-            source: Source) -> dict[str, int | None]:
-    """Parameter name -> its ``MaxTokens`` limit (``None``: none declared)."""
-    try:
-        hints = typing.get_type_hints(function, include_extras=True)
-    except Exception:  # an annotation that does not evaluate: read the raw ones (no MaxTokens there)
-        hints = dict(getattr(function, "__annotations__", {}))
-    args = {a.arg: a for a in tree.args.posonlyargs + tree.args.args + tree.args.kwonlyargs}
-    out: dict[str, int | None] = {}
-    for param in signature.parameters.values():
-        node = args.get(param.name, tree)
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise source.error(tree.args.vararg or tree.args.kwarg or tree,
-                               "*args and **kwargs are not compiled: name every parameter")
-        hint = hints.get(param.name)
-        limits = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, MaxTokens)]
-        if len(limits) > 1:
-            raise source.error(node, f"parameter {param.name!r} declares MaxTokens twice")
-        if limits and getattr(hint, "__origin__", None) is not str:
-            raise source.error(node, f"MaxTokens applies to str parameters: `{param.name}: "
-                                     "Annotated[str, MaxTokens(n)]`")
-        out[param.name] = limits[0].tokens if limits else None
-    return out
 
 
 def _callees(nodes: tuple[n.Node, ...]) -> list[Program]:

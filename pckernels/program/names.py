@@ -1,11 +1,14 @@
 """Names of the modules, parameters and unions a program compiles to: valid PML names that are
-also XML tag names (so prompts import them as ``<name/>``) and no PML keyword."""
+also XML tag names (so prompts import them as ``<name/>``) and no PML keyword, read from the
+tests and values that pick them where they can be."""
 
 from __future__ import annotations
 
 import enum
 import re
 from typing import Any
+
+from pckernels.program import nodes as n
 
 _KEYWORDS = frozenset({"module", "scaffold", "system", "user", "assistant", "union", "param", "parameter",
                        "schema", "prompt"})
@@ -45,3 +48,26 @@ def value_label(value: Any, index: int) -> str:
     if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", value):
         return value
     return f"case{index}"
+
+
+def test_label(test: n.Expr | None) -> str:
+    """A readable module name for a branch taken when ``test`` holds."""
+    if test is None:
+        return "else"
+    if isinstance(test, n.Arg):
+        return test.name
+    if isinstance(test, n.Not) and isinstance(test.operand, n.Arg):
+        return f"not-{test.operand.name}"
+    if isinstance(test, n.Compare) and isinstance(test.left, n.Arg) and len(test.ops) == 1:
+        right = test.comparators[0]
+        if isinstance(right, n.Const) and test.ops[0] in ("Eq", "Is"):
+            return f"{test.left.name}-{value_label(right.value, 0)}"
+        if isinstance(right, n.Const) and test.ops[0] in ("NotEq", "IsNot"):
+            return f"{test.left.name}-not-{value_label(right.value, 0)}"
+    return "branch"
+
+
+def common_subject(tests: list[n.Expr | None]) -> str | None:
+    """The parameter every comparison among ``tests`` is about, if they share one."""
+    names = {t.left.name for t in tests if isinstance(t, n.Compare) and isinstance(t.left, n.Arg)}
+    return names.pop() if len(names) == 1 else None

@@ -89,6 +89,21 @@ class Compare(Expr):
         return True
 
 
+def is_static(expr: Expr) -> bool:
+    """Whether ``expr`` reads no argument, so compiling decides it."""
+    if isinstance(expr, Const):
+        return True
+    if isinstance(expr, Arg):
+        return False
+    if isinstance(expr, Not):
+        return is_static(expr.operand)
+    if isinstance(expr, BoolOp):
+        return all(is_static(v) for v in expr.values)
+    if isinstance(expr, Compare):
+        return is_static(expr.left) and all(is_static(c) for c in expr.comparators)
+    return False
+
+
 @dataclass(frozen=True)
 class Text:
     """Literal text (compile-time constants included)."""

@@ -1,24 +1,18 @@
 """What a prompt program's body calls at run time: role helpers and the ``MaxTokens`` marker.
 
 The role helpers return plain strings, so the decorated function stays an ordinary Python
-function. Their text depends on the chat format in effect: ``Program.render(tokenizer=…)``
-sets the tokenizer's (:func:`pckernels.pml.role_format`, the same expansion PML role tags get)
-for the thread or task that renders; outside a render the plain fallback applies
-(``"User: …\\n"``).
+function. Their text depends on the chat format in effect (``pckernels.program.format``):
+``ProgramCall.render(tokenizer)`` sets the tokenizer's (:func:`pckernels.pml.role_format`, the
+same expansion PML role tags get) for the thread or task that renders; outside a render the
+plain fallback applies (``"User: …\\n"``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
-from pckernels.pml.roles import PLAIN_FORMAT, RoleFormat, role_format
-
-_FORMAT: contextvars.ContextVar[RoleFormat] = contextvars.ContextVar("pckernels_program_format",
-                                                                     default=PLAIN_FORMAT)
+from pckernels.program.call import ProgramCall
+from pckernels.program.format import current_format
 
 
 @dataclass(frozen=True)
@@ -36,25 +30,12 @@ class MaxTokens:
             raise ValueError(f"MaxTokens needs a positive int, not {self.tokens!r}")
 
 
-@contextlib.contextmanager
-def chat_format(tokenizer: Any = None) -> Iterator[RoleFormat]:
-    """Role helpers called inside this block expand in ``tokenizer``'s chat format (``None``:
-    the plain fallback). Per thread/task (a context variable)."""
-    token = _FORMAT.set(PLAIN_FORMAT if tokenizer is None else role_format(tokenizer))
-    try:
-        yield _FORMAT.get()
-    finally:
-        _FORMAT.reset(token)
-
-
 def _expand(role: str, content: str) -> str:
-    from pckernels.program.core import ProgramCall
-
     if isinstance(content, ProgramCall):
         content = str(content)
     if not isinstance(content, str):
         raise TypeError(f"{role}() takes a str, not {type(content).__name__}")
-    found = _FORMAT.get()
+    found = current_format()
     if role not in found.affixes:
         raise ValueError(f"{role}() cannot be expanded: {found.unsupported.get(role, 'unsupported role')}")
     prefix, suffix = found.affixes[role]
@@ -78,7 +59,7 @@ def assistant(content: str = _NO_CONTENT) -> str:  # type: ignore[assignment]
     """An assistant message (PML ``<assistant>``); without ``content``, the generation prompt
     (PML ``<assistant/>``: what ``add_generation_prompt=True`` appends)."""
     if content is _NO_CONTENT:
-        return _FORMAT.get().generation_prompt
+        return current_format().generation_prompt
     return _expand("assistant", content)
 
 
