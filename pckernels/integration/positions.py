@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from pckernels.integration.adapters import AttentionSpec, ModelAdapter
-from pckernels.kernels.reference import rerotate_keys_ref
+from pckernels.kernels.gather_rotate.naive import rerotate_keys_ref
 
 PROBE_TOKENS = 5
 PROBE_SHIFT = 37
