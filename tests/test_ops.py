@@ -604,6 +604,11 @@ import torch
 import pckernels
 print(" ".join(sorted(dir(torch.ops.promptcache))))
 print(" ".join(m for m in ("triton", "torch._inductor") if m in sys.modules))
+from pckernels import extras, ops
+k = torch.zeros(1, 1, 4, 2)
+ops.scatter_rows(k, k.clone(), torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), torch.tensor([1]), backend="auto")
+extras.rope_at_positions(torch.ones(1, 1, 3, 4), torch.arange(3), torch.ones(2), backend="auto")
+print(" ".join(m for m in ("triton", "torch._inductor") if m in sys.modules))
 """
 
 FRESH_IMPORT = r"""
@@ -643,10 +648,12 @@ def run_fresh(script: str) -> str:
 
 def test_import_pckernels_registers_every_op_without_triton():
     """``import pckernels`` registers every op at once (``dir(torch.ops.promptcache)`` lists them)
-    without importing Triton (each kernel module loads when its Triton path first runs) or Inductor."""
-    names, heavy = run_fresh(IMPORT_ONLY).split("\n")[:2]
+    without importing Triton (each kernel module loads when its Triton path first runs) or Inductor,
+    and the eager API's CPU paths do not import them either."""
+    names, after_import, after_calls = run_fresh(IMPORT_ONLY).split("\n")[:3]
     assert OP_NAMES <= set(names.split())
-    assert heavy == ""
+    assert after_import == ""
+    assert after_calls == ""
 
 
 @pytest.mark.parametrize("before", ["", "assert not hasattr(torch.ops.promptcache, 'scatter_rows')"],
