@@ -1,6 +1,8 @@
 """promptcache: modular attention (KV) reuse for LLM prompts.
 
-Importing the package makes ``torch.ops.promptcache.*`` callable (they register on first use).
+Importing the package registers every ``torch.ops.promptcache.*`` op (schemas and
+implementations, with ``torch.library.custom_op``: milliseconds; Triton is imported only when a
+Triton kernel first runs).
 
 It also sets ``MKL_DISABLE_FAST_MM=1`` unless the environment says otherwise (before torch loads
 MKL, when it is imported first): MKL's own allocator keeps per-thread buffers, and a process
@@ -13,10 +15,8 @@ import os
 
 os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
 
-from pckernels import _torch_ops  # noqa: E402  (after the environment is set)
+from pckernels import extras, ops  # noqa: E402, F401  (after the environment is set; registers the ops)
 from pckernels.errors import PMLError, PromptTooLongError, UnsupportedModelError  # noqa: E402
-
-_torch_ops.install()
 
 __version__ = "0.1.0"
 __all__ = ["PMLError", "PromptTooLongError", "UnsupportedModelError", "PromptCache", "__version__"]

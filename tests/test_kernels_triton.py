@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pckernels import ops
+from pckernels import extras, ops
 from pckernels.kernels import HAS_TRITON, triton_runnable
 
 from test_ops import (
@@ -100,8 +100,8 @@ def test_rerotate_triton(launches):
     inv = inv_freq_for(6).to(DEVICE)
     block = randn(L, 2, H, n, D, device=DEVICE)
     expect = block.clone()
-    ops.rerotate_block(expect, 11, inv, backend="torch")
-    got = ops.rerotate_block(block.clone(), 11, inv, backend="triton")
+    extras.rerotate_block(expect, 11, inv, backend="torch")
+    got = extras.rerotate_block(block.clone(), 11, inv, backend="triton")
     torch.testing.assert_close(got, expect, atol=2e-6, rtol=2e-6)
     assert launches("rope") == 1
 
@@ -143,20 +143,20 @@ def test_opcheck_triton_cuda(i):
 def test_forced_triton_without_runtime_raises(monkeypatch, launches):
     """Forcing Triton on CPU tensors without the interpreter raises, on every machine; on CUDA
     tensors it runs the compiled kernel, which needs no interpreter. Without Triton it raises."""
+    from pckernels.extras.rope.naive import rope_at_positions_ref
     from pckernels.kernels import _common
-    from pckernels.kernels import reference as ref
 
     monkeypatch.setattr(_common, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        ops.rope_at_positions(torch.zeros(1, 1, 1, 2), torch.tensor([0]), inv_freq_for(2), backend="triton")
+        extras.rope_at_positions(torch.zeros(1, 1, 1, 2), torch.tensor([0]), inv_freq_for(2), backend="triton")
     assert launches("rope") == 0
     if DEVICE == "cuda":
         x, pos, inv = randn(1, 2, 3, 6, device="cuda"), torch.tensor([4, 0, 9]), inv_freq_for(6)
-        got = ops.rope_at_positions(x.clone(), pos.cuda(), inv.cuda(), backend="triton")
+        got = extras.rope_at_positions(x.clone(), pos.cuda(), inv.cuda(), backend="triton")
         assert launches("rope") == 1
-        torch.testing.assert_close(got.cpu(), ref.rope_at_positions_ref(x.cpu(), pos, inv), atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(got.cpu(), rope_at_positions_ref(x.cpu(), pos, inv), atol=2e-6, rtol=2e-6)
     monkeypatch.setattr(_common, "HAS_TRITON", False)
     with pytest.raises(RuntimeError, match="cannot run"):
-        ops.rope_at_positions(randn(1, 1, 1, 2, device=DEVICE), torch.tensor([0], device=DEVICE),
-                              inv_freq_for(2).to(DEVICE), backend="triton")
+        extras.rope_at_positions(randn(1, 1, 1, 2, device=DEVICE), torch.tensor([0], device=DEVICE),
+                                 inv_freq_for(2).to(DEVICE), backend="triton")
     assert launches("rope") == (DEVICE == "cuda")

@@ -1,6 +1,6 @@
 """Lane 1 (torch path, always) and lane 3 (the same tests on CUDA, where ``auto`` = Triton).
 
-References from ``pckernels.kernels.reference`` vs the ops over odd, non-power-of-two and
+References (each op's ``naive.py``) vs the ops over odd, non-power-of-two and
 size-1 shapes, strided inputs and int32/int64 indices. Outputs start NaN-poisoned and are
 compared bit for bit, so every intended row must be written and every other row stays NaN.
 """
@@ -16,8 +16,11 @@ import torch
 from torch.library import opcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pckernels import ops
-from pckernels.kernels import reference as ref
+from pckernels import extras, ops
+from pckernels.extras.rope.naive import cos_sin_ref, rope_at_positions_ref, rope_cos_sin_ref
+from pckernels.kernels.gather_concat.naive import gather_concat_ref
+from pckernels.kernels.gather_rotate.naive import gather_rotate_ref, rerotate_keys_ref
+from pckernels.kernels.scatter_rows.naive import scatter_rows_ref
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
@@ -84,7 +87,7 @@ def run_gather(device, dtype, case, table_dtype, strided, backend, cap_extra=6):
     table = torch.tensor(rows, dtype=table_dtype).reshape(-1, 4)
     out = nan_buffer(L, 2, H, cap, D, dtype=dtype, device=device, strided=strided)
     expect = out.clone()
-    ref.gather_concat_ref(expect, blocks, table)
+    gather_concat_ref(expect, blocks, table)
     ops.gather_concat(out, blocks, table, backend=backend)
     assert_bits_equal(out, expect)
     written = torch.zeros(cap, dtype=torch.bool)
@@ -140,7 +143,7 @@ def run_scatter(device, dtype, case, rows_dtype, strided, backend):
     k_out, v_out = buf[0], buf[1]
     r = torch.tensor(rows, dtype=rows_dtype, device=device)
     ek, ev = k_out.clone(), v_out.clone()
-    ref.scatter_rows_ref(ek, ev, k, v, r)
+    scatter_rows_ref(ek, ev, k, v, r)
     ops.scatter_rows(k_out, v_out, k, v, r, backend=backend)
     assert_bits_equal(k_out, ek)
     assert_bits_equal(v_out, ev)
@@ -203,13 +206,13 @@ def check_rope_positions(device, dtype, case, backend, *, strided=False, batched
     x = randn(B, H, S, D, dtype=dtype, device=device, strided=strided)
     inv = inv_freq_for(R).to(device)
     pos = positions_for(B, S, batched).to(device)
-    expect = ref.rope_at_positions_ref(x.cpu(), pos.cpu(), inv.cpu(), 1.25)
+    expect = rope_at_positions_ref(x.cpu(), pos.cpu(), inv.cpu(), 1.25)
     if inplace:
         got = x.clone()
-        ops.rope_at_positions(got, pos, inv, 1.25, backend=backend)
+        extras.rope_at_positions(got, pos, inv, 1.25, backend=backend)
     else:
         got = nan_buffer(B, H, S, D, dtype=dtype, device=device, strided=strided)
-        res = ops.rope_at_positions(x, pos, inv, 1.25, out=got, backend=backend)
+        res = extras.rope_at_positions(x, pos, inv, 1.25, out=got, backend=backend)
         assert res is got
         assert_bits_equal(got[..., R:], x[..., R:])
     torch.testing.assert_close(got.cpu().float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
@@ -234,13 +237,13 @@ def check_cos_sin(device, dtype, case, backend, hq=None, strided=False):
     B, H, S, D, R = case
     q = randn(B, hq or H + 1, S, D, dtype=dtype, device=device, strided=strided)
     k = randn(B, H, S, D, dtype=dtype, device=device)
-    cos, sin = ref.cos_sin_ref(positions_for(B, S, True), inv_freq_for(R), 1.1)
+    cos, sin = cos_sin_ref(positions_for(B, S, True), inv_freq_for(R), 1.1)
     cos, sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
     if B > 1:
         cos, sin = cos[:1], sin[:1]
-    qo, ko = ops.apply_rotary_pos_emb(q, k, cos, sin, backend=backend)
+    qo, ko = extras.apply_rotary_pos_emb(q, k, cos, sin, backend=backend)
     for x, o in ((q, qo), (k, ko)):
-        expect = ref.rope_cos_sin_ref(x.cpu(), cos.cpu(), sin.cpu()).to(dtype)
+        expect = rope_cos_sin_ref(x.cpu(), cos.cpu(), sin.cpu()).to(dtype)
         torch.testing.assert_close(o.cpu().float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
         assert_bits_equal(o[..., R:], x[..., R:])
 
@@ -260,16 +263,16 @@ def test_apply_rotary_pos_emb_matches_hf(device, dtype):
     B, Hq, Hk, S, D = 2, 4, 2, 9, 64
     q = randn(B, S, Hq, D, dtype=dtype, device=device).transpose(1, 2)
     k = randn(B, S, Hk, D, dtype=dtype, device=device).transpose(1, 2)
-    cos, sin = ref.cos_sin_ref(positions_for(B, S, True), inv_freq_for(D), 1.0)
+    cos, sin = cos_sin_ref(positions_for(B, S, True), inv_freq_for(D), 1.0)
     cos, sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
     hq, hk = hf_apply(q, k, cos, sin)
-    gq, gk = ops.apply_rotary_pos_emb(q, k, cos, sin, backend=backend_for(device))
+    gq, gk = extras.apply_rotary_pos_emb(q, k, cos, sin, backend=backend_for(device))
     tol = 2e-6 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(gq, hq, atol=tol, rtol=tol)
     torch.testing.assert_close(gk, hk, atol=tol, rtol=tol)
     hq2, hk2 = hf_apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)
-    gq2, gk2 = ops.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 2,
-                                        backend=backend_for(device))
+    gq2, gk2 = extras.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 2,
+                                           backend=backend_for(device))
     torch.testing.assert_close(gq2, hq2, atol=tol, rtol=tol)
     torch.testing.assert_close(gk2, hk2, atol=tol, rtol=tol)
 
@@ -292,8 +295,8 @@ def test_rope_at_positions_matches_hf_rotary_embedding(device):
     cos, sin = emb(q, pos)
     hq, hk = hf_apply(q, k, cos, sin)
     be = backend_for(device)
-    gq = ops.rope_at_positions(q, pos, emb.inv_freq, emb.attention_scaling, out=torch.empty_like(q), backend=be)
-    gk = ops.rope_at_positions(k.clone(), pos[0], emb.inv_freq, emb.attention_scaling, backend=be)
+    gq = extras.rope_at_positions(q, pos, emb.inv_freq, emb.attention_scaling, out=torch.empty_like(q), backend=be)
+    gk = extras.rope_at_positions(k.clone(), pos[0], emb.inv_freq, emb.attention_scaling, backend=be)
     torch.testing.assert_close(gq, hq, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gk, hk, atol=1e-5, rtol=1e-5)
 
@@ -315,17 +318,17 @@ def test_apply_rotary_pos_emb_autograd(device):
     """With grads needed, forward and backward run the registered op (its custom backward)."""
     q = randn(1, 3, 5, 6, device=device).requires_grad_()
     k = randn(1, 1, 5, 6, device=device).requires_grad_()
-    cos, sin = ref.cos_sin_ref(torch.arange(5)[None], inv_freq_for(4))
+    cos, sin = cos_sin_ref(torch.arange(5)[None], inv_freq_for(4))
     cos, sin = cos.to(device).requires_grad_(), sin.to(device).requires_grad_()
     with DispatchedOps() as dispatched:
-        qo, ko = ops.apply_rotary_pos_emb(q, k, cos, sin, backend=backend_for(device))
+        qo, ko = extras.apply_rotary_pos_emb(q, k, cos, sin, backend=backend_for(device))
         (qo.square().sum() + (ko * 3).sum()).backward()
     assert dispatched.names.count("promptcache.apply_rotary_pos_emb.default") == 2
     grads = [t.grad.clone() for t in (q, k, cos, sin)]
     for t in (q, k, cos, sin):
         t.grad = None
-    rq = ref.rope_cos_sin_ref(q, cos, sin)
-    rk = ref.rope_cos_sin_ref(k, cos, sin)
+    rq = rope_cos_sin_ref(q, cos, sin)
+    rk = rope_cos_sin_ref(k, cos, sin)
     (rq.square().sum() + (rk * 3).sum()).backward()
     for g, t in zip(grads, (q, k, cos, sin)):
         torch.testing.assert_close(g, t.grad, atol=1e-5, rtol=1e-5)
@@ -342,9 +345,9 @@ def test_rerotate_matches_encoding_at_shifted_positions(device, dtype):
     raw = randn(L, H, n, D, device=device)
     p = torch.arange(100, 100 + n, device=device)
     for delta in (37, -90, 3000):
-        moved = ops.rope_at_positions(raw.clone(), p, inv, backend="torch").to(dtype)
-        ops.rerotate_keys(moved, delta, inv, backend=backend_for(device))
-        direct = ops.rope_at_positions(raw.clone(), p + delta, inv, backend="torch").to(dtype)
+        moved = extras.rope_at_positions(raw.clone(), p, inv, backend="torch").to(dtype)
+        extras.rerotate_keys(moved, delta, inv, backend=backend_for(device))
+        direct = extras.rope_at_positions(raw.clone(), p + delta, inv, backend="torch").to(dtype)
         err = (moved.float() - direct.float()).abs().max().item()
         bound = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 6e-2}[dtype]
         assert err < bound, (delta, err)
@@ -357,8 +360,8 @@ def test_rerotate_block_per_token_delta(device):
     inv = inv_freq_for(4).to(device)
     delta = torch.tensor([5, -3, 0, 2, 2, 9, 1], device=device)
     expect = block.clone()
-    expect[:, 0] = ref.rerotate_keys_ref(block[:, 0].cpu(), delta.cpu(), inv.cpu()).to(device)
-    got = ops.rerotate_block(block.clone(), delta, inv, backend=backend_for(device))
+    expect[:, 0] = rerotate_keys_ref(block[:, 0].cpu(), delta.cpu(), inv.cpu()).to(device)
+    got = extras.rerotate_block(block.clone(), delta, inv, backend=backend_for(device))
     torch.testing.assert_close(got, expect, atol=1e-6, rtol=1e-6)
     assert_bits_equal(got[:, 1], block[:, 1])
 
@@ -375,7 +378,7 @@ ROTATE_TOL = {torch.float32: 3e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def run_gather_rotate(device, dtype, case, table_dtype, strided, backend, zero_layer=None):
-    """NaN-poisoned ``out`` against :func:`ref.gather_rotate_ref`: values and non-rotary key dims
+    """NaN-poisoned ``out`` against :func:`gather_rotate_ref`: values and non-rotary key dims
     bit-exact, rotated dims within ``ROTATE_TOL``, unwritten rows still NaN. Layer ``zero_layer``
     gets a zero ``inv_freq`` row, which must copy its keys bit-exactly."""
     L, H, D, half, lens, rows = case
@@ -387,7 +390,7 @@ def run_gather_rotate(device, dtype, case, table_dtype, strided, backend, zero_l
     table = torch.tensor(rows, dtype=table_dtype).reshape(-1, 5)
     out = nan_buffer(L, 2, H, cap, D, dtype=dtype, device=device, strided=strided)
     expect = out.cpu().clone()
-    ref.gather_rotate_ref(expect, [b.cpu() for b in blocks], table, inv)
+    gather_rotate_ref(expect, [b.cpu() for b in blocks], table, inv)
     ops.gather_rotate(out, blocks, table, inv.to(device), backend=backend)
     got = out.cpu()
     assert_bits_equal(got[:, 1], expect[:, 1])
@@ -419,10 +422,10 @@ def test_gather_rotate(device, dtype, case, table_dtype):
 def test_gather_rotate_cpu_pieces(monkeypatch, case):
     """The CPU path rotates fp32 keys in cache-sized pieces: pieces of a few rows (odd, cutting
     every block) give the reference's result."""
-    from pckernels.kernels import rope
+    from pckernels.kernels import gather_rotate
 
     L, H, D = case[:3]
-    monkeypatch.setattr(rope, "GATHER_ROTATE_CHUNK", 3 * H * D * 4 // torch.get_num_threads() + 1)
+    monkeypatch.setattr(gather_rotate, "GATHER_ROTATE_CHUNK", 3 * H * D * 4 // torch.get_num_threads() + 1)
     run_gather_rotate("cpu", torch.float32, case, torch.int64, strided=True, backend="torch", zero_layer=0)
 
 
@@ -435,11 +438,11 @@ def test_gather_rotate_moves_keys_like_encoding_there(device):
     p = torch.arange(40, 40 + n, device=device)
     block = raw.clone()
     for layer in range(L):
-        ops.rope_at_positions(block[layer, 0][None], p, inv[layer].to(device), backend="torch")
+        extras.rope_at_positions(block[layer, 0][None], p, inv[layer].to(device), backend="torch")
     out = torch.zeros(L, 2, H, n + 2, D, device=device)
     ops.gather_rotate(out, [block], torch.tensor([[0, 0, 2, n, 300]]), inv.to(device), backend=backend_for(device))
     for layer in range(L):
-        direct = ops.rope_at_positions(raw[layer, 0][None].clone(), p + 300, inv[layer].to(device), backend="torch")
+        direct = extras.rope_at_positions(raw[layer, 0][None].clone(), p + 300, inv[layer].to(device), backend="torch")
         torch.testing.assert_close(out[layer, 0, :, 2:][None], direct, atol=2e-5, rtol=1e-5)
     assert torch.equal(out[:, 1, :, 2:], raw[:, 1])
 
@@ -466,7 +469,7 @@ def opcheck_samples(device: str):
     x = randn(2, 3, 5, 6, device=device, strided=True)
     pos = torch.tensor([3, 1, 4, 1, 5], device=device)
     inv = inv_freq_for(4).to(device)
-    cos, sin = ref.cos_sin_ref(pos[None], inv)
+    cos, sin = cos_sin_ref(pos[None], inv)
     q = randn(2, 4, 5, 6, device=device).requires_grad_()
     k = randn(2, 2, 5, 6, device=device).requires_grad_()
     blocks = [randn(2, 2, 3, 4, 6, device=device), randn(2, 2, 5, 3, 6, device=device).transpose(2, 3)]
@@ -517,7 +520,7 @@ def test_ops_under_torch_compile(device):
 
     def step(k_out, v_out, k, v, rows, x, pos):
         ops.scatter_rows(k_out, v_out, k, v, rows, backend=be)
-        return ops.rope_at_positions(x, pos, inv, 1.0, out=torch.empty_like(x), backend=be) * 2
+        return extras.rope_at_positions(x, pos, inv, 1.0, out=torch.empty_like(x), backend=be) * 2
 
     k_out = torch.zeros(1, 2, 6, 4, device=device)
     v_out = torch.zeros_like(k_out)
@@ -530,9 +533,9 @@ def test_ops_under_torch_compile(device):
     assert {torch.ops.promptcache.scatter_rows, torch.ops.promptcache.rope_at_positions} <= graphs[0]
     assert not {torch.ops.aten.index_copy_, torch.ops.aten.index_copy} & graphs[0]
     ek, ev = torch.zeros_like(k_out), torch.zeros_like(v_out)
-    ref.scatter_rows_ref(ek, ev, k, v, rows)
+    scatter_rows_ref(ek, ev, k, v, rows)
     assert torch.equal(k_out, ek) and torch.equal(v_out, ev)
-    torch.testing.assert_close(got, ref.rope_at_positions_ref(x, pos, inv) * 2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, rope_at_positions_ref(x, pos, inv) * 2, atol=1e-5, rtol=1e-5)
 
 
 def test_backend_rejects_unknown_names(monkeypatch):
@@ -557,7 +560,8 @@ def test_backend_override_switches_implementation(monkeypatch, env, backend, run
     """``backend=`` (first) and ``$PROMPTCACHE_KERNEL_BACKEND`` decide which implementation runs:
     spies on the Triton launcher and the torch path record the one that ran, the launch counter
     agrees, and the result matches the reference. ``auto`` is Triton on CUDA, torch on CPU."""
-    from pckernels.kernels import rope, triton_runnable
+    from pckernels.extras import rope
+    from pckernels.kernels import triton_runnable
 
     device = "cuda" if CUDA else "cpu"
     if not triton_runnable(torch.device(device)):
@@ -583,13 +587,29 @@ def test_backend_override_switches_implementation(monkeypatch, env, backend, run
         monkeypatch.setenv("PROMPTCACHE_KERNEL_BACKEND", env)
     ops.reset_launch_counts()
     x, pos, inv = randn(1, 3, 5, 6, device=device), torch.tensor([4, 0, 7, 7, 2], device=device), inv_freq_for(6)
-    got = ops.rope_at_positions(x.clone(), pos, inv.to(device), 1.5, backend=backend)
+    got = extras.rope_at_positions(x.clone(), pos, inv.to(device), 1.5, backend=backend)
     assert ran == [f"rope_positions_{runs}"]
     assert ops.launch_counts().get("rope", 0) == (runs == "triton")
-    torch.testing.assert_close(got.cpu(), ref.rope_at_positions_ref(x.cpu(), pos.cpu(), inv, 1.5), atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(got.cpu(), rope_at_positions_ref(x.cpu(), pos.cpu(), inv, 1.5), atol=2e-6, rtol=2e-6)
 
 
 # ----------------------------------------------------------------------------- import pckernels
+
+OP_NAMES = {"gather_concat", "gather_rotate", "scatter_rows", "linear", "rope_at_positions", "rope_at_positions_",
+            "rerotate_keys_", "apply_rotary_pos_emb"}
+
+IMPORT_ONLY = r"""
+import sys
+import torch
+import pckernels
+print(" ".join(sorted(dir(torch.ops.promptcache))))
+print(" ".join(m for m in ("triton", "torch._inductor") if m in sys.modules))
+from pckernels import extras, ops
+k = torch.zeros(1, 1, 4, 2)
+ops.scatter_rows(k, k.clone(), torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), torch.tensor([1]), backend="auto")
+extras.rope_at_positions(torch.ones(1, 1, 3, 4), torch.arange(3), torch.ones(2), backend="auto")
+print(" ".join(m for m in ("triton", "torch._inductor") if m in sys.modules))
+"""
 
 FRESH_IMPORT = r"""
 import sys
@@ -606,26 +626,40 @@ x, pos, inv = torch.randn(2, 1, 5, 6, generator=g), torch.tensor([7, 0, 3, 3, 1]
 out = torch.full_like(x, float("nan"))
 torch.ops.promptcache.rope_at_positions(x, pos, inv, 1.25, out, "torch")
 
-from pckernels.kernels import reference as ref
+from pckernels.extras.rope.naive import rope_at_positions_ref
+from pckernels.kernels.scatter_rows.naive import scatter_rows_ref
 ek, ev = torch.full_like(k_out, float("nan")), torch.full_like(v_out, float("nan"))
-ref.scatter_rows_ref(ek, ev, k, v, rows)
+scatter_rows_ref(ek, ev, k, v, rows)
 torch.testing.assert_close(k_out, ek, rtol=0, atol=0, equal_nan=True)
 torch.testing.assert_close(v_out, ev, rtol=0, atol=0, equal_nan=True)
 assert k_out[:, :, [2, 4, 5, 7]].isnan().all() and not k_out[:, :, rows].isnan().any()
-torch.testing.assert_close(out, ref.rope_at_positions_ref(x, pos, inv, 1.25), atol=2e-6, rtol=2e-6)
+torch.testing.assert_close(out, rope_at_positions_ref(x, pos, inv, 1.25), atol=2e-6, rtol=2e-6)
 print("ops ok")
 """
 
 
-@pytest.mark.parametrize("before, registered_at_import", [
-    ("", False),
-    ("assert not hasattr(torch.ops.promptcache, 'scatter_rows')", True),
-], ids=["fresh", "namespace-touched-first"])
-def test_import_pckernels_makes_registered_ops_callable(before, registered_at_import):
-    """In a fresh interpreter ``import pckernels`` alone makes ``torch.ops.promptcache.*`` work,
-    registering them on first use (or at once when ``torch.ops.promptcache`` was looked at before)."""
-    script = FRESH_IMPORT.format(before=before)
+def run_fresh(script: str) -> str:
+    """Stdout of ``script`` run by a fresh interpreter from the repository root."""
     done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[:2] == [f"registered at import: {registered_at_import}", "ops ok"]
+    return done.stdout
+
+
+def test_import_pckernels_registers_every_op_without_triton():
+    """``import pckernels`` registers every op at once (``dir(torch.ops.promptcache)`` lists them)
+    without importing Triton (each kernel module loads when its Triton path first runs) or Inductor,
+    and the eager API's CPU paths do not import them either."""
+    names, after_import, after_calls = run_fresh(IMPORT_ONLY).split("\n")[:3]
+    assert OP_NAMES <= set(names.split())
+    assert after_import == ""
+    assert after_calls == ""
+
+
+@pytest.mark.parametrize("before", ["", "assert not hasattr(torch.ops.promptcache, 'scatter_rows')"],
+                         ids=["fresh", "namespace-touched-first"])
+def test_import_pckernels_makes_registered_ops_callable(before):
+    """In a fresh interpreter ``import pckernels`` alone makes ``torch.ops.promptcache.*`` work,
+    registered at import (also when ``torch.ops.promptcache`` was looked at before)."""
+    out = run_fresh(FRESH_IMPORT.format(before=before))
+    assert out.split("\n")[:2] == ["registered at import: True", "ops ok"]

@@ -7,8 +7,8 @@ import importlib
 import pytest
 import torch
 
-from pckernels import ops
-from pckernels.integration import rope_patch
+from pckernels import extras
+from pckernels.extras import rope_patch
 
 
 @pytest.fixture(autouse=True)
@@ -75,8 +75,8 @@ def test_patches_an_already_built_model_and_logits_match(monkeypatch):
     model = tiny_llama()
     ids = torch.randint(0, 97, (1, 11))
     calls = []
-    real = ops.apply_rotary_pos_emb
-    monkeypatch.setattr(ops, "apply_rotary_pos_emb", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = extras.apply_rotary_pos_emb
+    monkeypatch.setattr(extras, "apply_rotary_pos_emb", lambda *a, **k: calls.append(1) or real(*a, **k))
     with torch.no_grad():
         base = model(ids).logits
         done = rope_patch.apply_promptcache_rope(model)

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from pckernels.integration.adapters import ModelAdapter
 from pckernels.integration.attention import AttentionSpec
-from pckernels.kernels.reference import rerotate_keys_ref
+from pckernels.kernels.gather_rotate.naive import rerotate_keys_ref
 
 PROBE_TOKENS = 5
 PROBE_SHIFT = 37

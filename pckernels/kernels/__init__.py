@@ -1,8 +1,9 @@
-"""Triton kernels (with torch-native paths and plain-torch references) for KV assembly and RoPE.
-
-Modules: ``gather_concat`` (blocks -> assembly buffer), ``slot_scatter`` (rows -> buffer),
-``rope`` (RoPE at positions, HF cos/sin, re-rotation), ``reference`` (obvious loops for tests).
-Use them through :mod:`pckernels.ops`.
+"""The kernels of the product path, one package per op: ``gather_concat`` (blocks -> assembly
+buffer), ``gather_rotate`` (the same, re-rotating keys to new positions), ``scatter_rows`` (rows
+-> buffer). Each holds the argument checks and the torch-native path (``__init__.py``), the
+Triton kernel and its launcher (``kernel.py``, imported only when the Triton path first runs)
+and a plain-torch reference (``naive.py``). Use them through :mod:`pckernels.ops`; the RoPE
+extras are in :mod:`pckernels.extras`.
 """
 
 from pckernels.kernels._common import (

@@ -1,29 +1,21 @@
 """Backend selection, the Triton launch counter and small helpers shared by the kernels.
 
-Triton decides between compiling and interpreting when a kernel is decorated, so
-``TRITON_INTERPRET=1`` must be set before these modules are imported for the kernels to
-run on CPU tensors (tests/conftest.py does this when CUDA is unavailable).
+Triton itself is not imported here: each kernel's ``kernel`` module (the ``@triton.jit`` code)
+is imported the first time its Triton path runs. ``TRITON_INTERPRET`` is read when this module
+is imported, so ``TRITON_INTERPRET=1`` must be set before ``import pckernels`` for the kernels
+to run on CPU tensors (tests/conftest.py does this when CUDA is unavailable).
 """
 
 from __future__ import annotations
 
-import logging
+import importlib.util
 import os
 import threading
 from collections import Counter
 
 import torch
 
-log = logging.getLogger(__name__)
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-    tl = None
-
-HAS_TRITON = triton is not None
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BACKENDS = ("auto", "triton", "torch")
 BACKEND_ENV = "PROMPTCACHE_KERNEL_BACKEND"

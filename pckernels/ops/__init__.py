@@ -1,12 +1,13 @@
-"""Python API over the promptcache kernels.
+"""Python API over the promptcache kernels of the product path (the RoPE extras are in
+:mod:`pckernels.extras`).
 
 Every function takes ``backend=None | "auto" | "triton" | "torch"``: ``None`` reads
 ``$PROMPTCACHE_KERNEL_BACKEND`` (default ``"auto"``: Triton on CUDA, torch elsewhere);
 ``"triton"`` forces the kernel (on CPU only under ``TRITON_INTERPRET=1``). In eager mode
 the functions call the implementations directly, skipping the dispatcher (a registered op
 costs tens of microseconds per call, and ``scatter_rows`` runs once per layer per forward);
-under ``torch.compile`` or when autograd is needed they go through
-``torch.ops.promptcache.*`` so graphs stay traceable. Both run the same code.
+under ``torch.compile`` they go through ``torch.ops.promptcache.*`` (registered when this
+package is imported, :mod:`._library`) so graphs stay traceable. Both run the same code.
 """
 
 from __future__ import annotations
@@ -19,15 +20,11 @@ from pckernels.ops import _library as _lib
 Tensor = torch.Tensor
 
 __all__ = [
-    "apply_rotary_pos_emb",
     "gather_concat",
     "gather_rotate",
     "launch_counts",
     "linear",
     "reset_launch_counts",
-    "rerotate_block",
-    "rerotate_keys",
-    "rope_at_positions",
     "scatter_rows",
     "write_rows",
 ]
@@ -115,72 +112,3 @@ def write_rows(buf, layer: int, key_states: Tensor, value_states: Tensor, rows: 
         v_out[:, :, start:start + q].copy_(value_states)
     else:
         scatter_rows(k_out, v_out, key_states, value_states, rows, backend=backend)
-
-
-def rope_at_positions(x: Tensor, positions: Tensor, inv_freq: Tensor, attention_scaling: float = 1.0, *,
-                      out: Tensor | None = None, backend: str | None = None) -> Tensor:
-    """Rotate ``x [B, H, S, D]`` at integer ``positions [S] | [B, S]`` (any order, gaps allowed).
-
-    HF conventions: rotate-half over the first ``R = 2 * len(inv_freq)`` dims (the rest pass
-    through), ``cos/sin = cos/sin(pos * inv_freq) * attention_scaling`` in fp32. In place when
-    ``out`` is None; returns the rotated tensor.
-    """
-    b = resolve_backend(backend)
-    s = float(attention_scaling)
-    if out is None:
-        if _use_op():
-            torch.ops.promptcache.rope_at_positions_(x, positions, inv_freq, s, b)
-        else:
-            _lib.rope_at_positions_impl(x, positions, inv_freq, s, x, b)
-        return x
-    if _use_op():
-        torch.ops.promptcache.rope_at_positions(x, positions, inv_freq, s, out, b)
-    else:
-        _lib.rope_at_positions_impl(x, positions, inv_freq, s, out, b)
-    return out
-
-
-def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1, *,
-                         backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """Drop-in for HF's ``apply_rotary_pos_emb``: q and k in one launch, new tensors returned.
-
-    ``unsqueeze_dim=1``: ``q [B, Hq, S, D]``, ``k [B, Hk, S, D]``; ``unsqueeze_dim=2``:
-    ``[B, S, H, D]``. ``cos, sin [B|1, S, R]`` with R <= D (the rest passes through).
-    Differentiable (through the registered op) when autograd needs it.
-    """
-    if unsqueeze_dim not in (1, 2):
-        raise ValueError(f"unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
-    if unsqueeze_dim == 2:
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-    b = resolve_backend(backend)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin))
-    if grad or _use_op():
-        q_out, k_out = torch.ops.promptcache.apply_rotary_pos_emb(q, k, cos, sin, b)
-    else:
-        q_out, k_out = _lib.apply_rotary_pos_emb_impl(q, k, cos, sin, b)
-    if unsqueeze_dim == 2:
-        q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
-    return q_out, k_out
-
-
-def rerotate_keys(k: Tensor, delta: int | Tensor, inv_freq: Tensor, *, backend: str | None = None) -> Tensor:
-    """Move keys rotated at positions p to p + delta, in place: ``k <- R(delta) k``; returns ``k``.
-
-    ``k [B, H, n, D]`` (e.g. ``block[:, 0]`` of a KV block, B = layers); ``delta`` is an int, a
-    0-d tensor, ``[n]`` or ``[B, n]`` (may be negative). No attention scaling is applied:
-    the keys already carry it.
-    """
-    if not isinstance(delta, torch.Tensor):
-        delta = torch.full((), int(delta), dtype=torch.int64, device=k.device)
-    b = resolve_backend(backend)
-    if _use_op():
-        torch.ops.promptcache.rerotate_keys_(k, delta, inv_freq, b)
-    else:
-        _lib.rerotate_keys_impl(k, delta, inv_freq, b)
-    return k
-
-
-def rerotate_block(block: Tensor, delta: int | Tensor, inv_freq: Tensor, *, backend: str | None = None) -> Tensor:
-    """Re-rotate the keys of a KV block ``[L, 2, H, n, D]`` in place (values untouched); returns ``block``."""
-    rerotate_keys(block[:, 0], delta, inv_freq, backend=backend)
-    return block

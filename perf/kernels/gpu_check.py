@@ -39,7 +39,7 @@ if ARGS.dry_run:
 
 import torch  # noqa: E402
 
-from pckernels import ops  # noqa: E402
+from pckernels import extras, ops  # noqa: E402
 from pckernels.kernels import triton_runnable  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() and not ARGS.dry_run else "cpu")
@@ -192,14 +192,14 @@ def bench_rope() -> None:
     dst = torch.empty_like(src)
     cases = {"d2d copy (same bytes)": lambda: dst.copy_(src),
              "HF apply_rotary_pos_emb": lambda: hf_apply(q, k, cos, sin),
-             "fused torch path": lambda: ops.apply_rotary_pos_emb(q, k, cos, sin, backend="torch")}
+             "fused torch path": lambda: extras.apply_rotary_pos_emb(q, k, cos, sin, backend="torch")}
     qo = torch.empty_like(q)
     if triton_ok():
-        cases["fused triton apply_rotary_pos_emb"] = lambda: ops.apply_rotary_pos_emb(q, k, cos, sin,
-                                                                                      backend="triton")
-        cases["triton rope_at_positions (q, into out)"] = lambda: ops.rope_at_positions(q, pos, inv, out=qo,
+        cases["fused triton apply_rotary_pos_emb"] = lambda: extras.apply_rotary_pos_emb(q, k, cos, sin,
                                                                                          backend="triton")
-        a = ops.apply_rotary_pos_emb(q, k, cos, sin, backend="triton")
+        cases["triton rope_at_positions (q, into out)"] = lambda: extras.rope_at_positions(q, pos, inv, out=qo,
+                                                                                            backend="triton")
+        a = extras.apply_rotary_pos_emb(q, k, cos, sin, backend="triton")
         b = hf_apply(q, k, cos, sin)
         print(f"\nRoPE fused vs HF max abs diff (bf16): q {(a[0] - b[0]).abs().max().item():.3e}, "
               f"k {(a[1] - b[1]).abs().max().item():.3e}")
@@ -210,9 +210,9 @@ def bench_rope() -> None:
     src2 = torch.empty(kb // 4, device=DEV, dtype=dt)
     dst2 = torch.empty_like(src2)
     cases = {"d2d copy (same bytes)": lambda: dst2.copy_(src2),
-             "rerotate torch path": lambda: ops.rerotate_block(keys, 5, inv, backend="torch")}
+             "rerotate torch path": lambda: extras.rerotate_block(keys, 5, inv, backend="torch")}
     if triton_ok():
-        cases["rerotate triton (in place)"] = lambda: ops.rerotate_block(keys, 5, inv, backend="triton")
+        cases["rerotate triton (in place)"] = lambda: extras.rerotate_block(keys, 5, inv, backend="triton")
     report(f"re-rotate keys of a KV block {tuple(keys.shape)} bf16", kb, cases)
 
 
@@ -227,7 +227,7 @@ def bench_gather_rotate() -> None:
              "gather-rotate torch path": lambda: ops.gather_rotate(out, blocks, table_host, inv, backend="torch"),
              "gather-concat then rerotate (torch)": lambda: (
                  ops.gather_concat(out, blocks, table_host[:, :4], backend="torch"),
-                 [ops.rerotate_keys(out[:, 0, :, i * n:(i + 1) * n], 1000 * i - 3000, inv[0], backend="torch")
+                 [extras.rerotate_keys(out[:, 0, :, i * n:(i + 1) * n], 1000 * i - 3000, inv[0], backend="torch")
                   for i in range(nblk)])}
     if triton_ok():
         cases["gather-rotate triton (device table)"] = lambda: ops.gather_rotate(out, blocks, table, inv, max_rows=n,

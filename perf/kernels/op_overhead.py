@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pckernels import ops
+from pckernels import extras, ops
 from pckernels.ops import _library as lib
 
 
@@ -61,11 +61,11 @@ def main() -> None:
         },
         "apply_rotary_pos_emb (q 9 heads, k 3 heads, 1 token)": {
             "HF apply_rotary_pos_emb": lambda: hf_apply(*qk, cos, sin),
-            "direct impl (pckernels.ops API)": lambda: ops.apply_rotary_pos_emb(*qk, cos, sin, backend="torch"),
+            "direct impl (pckernels.extras API)": lambda: extras.apply_rotary_pos_emb(*qk, cos, sin, backend="torch"),
             "registered op": lambda: torch.ops.promptcache.apply_rotary_pos_emb(*qk, cos, sin, "torch"),
         },
         "rope_at_positions in place (9 heads, 1 token)": {
-            "direct impl (pckernels.ops API)": lambda: ops.rope_at_positions(x, pos, inv, backend="torch"),
+            "direct impl (pckernels.extras API)": lambda: extras.rope_at_positions(x, pos, inv, backend="torch"),
             "registered op": lambda: torch.ops.promptcache.rope_at_positions_(x, pos, inv, 1.0, "torch"),
         },
         "gather_concat (1 entry, 4 rows)": {

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from pckernels import ops
+from pckernels import extras
 
 
 def main() -> None:
@@ -34,9 +34,9 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for p0, delta in ((0, 1), (0, 512), (100, 4000), (4000, -3900), (30000, 2000)):
             p = torch.arange(p0, p0 + args.n)
-            cached = ops.rope_at_positions(raw.clone(), p, inv, backend=args.backend).to(dtype)
-            moved = ops.rerotate_keys(cached.clone(), delta, inv, backend=args.backend).float()
-            direct = ops.rope_at_positions(raw.clone(), p + delta, inv, backend=args.backend).to(dtype).float()
+            cached = extras.rope_at_positions(raw.clone(), p, inv, backend=args.backend).to(dtype)
+            moved = extras.rerotate_keys(cached.clone(), delta, inv, backend=args.backend).float()
+            direct = extras.rope_at_positions(raw.clone(), p + delta, inv, backend=args.backend).to(dtype).float()
             ang = (p + delta).double()[:, None] * inv.double()
             c, s = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
             r64 = raw.double()

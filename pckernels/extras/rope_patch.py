@@ -29,7 +29,7 @@ _patched: dict[str, tuple[types.ModuleType, object]] = {}
 
 def _make_fused(original):
     """A replacement with ``original``'s signature that calls the fused op when it applies."""
-    from pckernels import ops
+    from pckernels import extras
 
     params = inspect.signature(original).parameters
 
@@ -45,14 +45,14 @@ def _make_fused(original):
 
         def fused(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
             if _covered(q, k, cos, sin, unsqueeze_dim):
-                return ops.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+                return extras.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
             return original(q, k, cos, sin, position_ids, unsqueeze_dim)
 
     else:
 
         def fused(q, k, cos, sin, unsqueeze_dim=1):
             if _covered(q, k, cos, sin, unsqueeze_dim):
-                return ops.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+                return extras.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
             return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
     fused.__name__ = _NAME
