@@ -15,10 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "pckernels"
 
 FLOORS = {
-    "errors": 0, "kernels": 1, "_torch_ops": 1, "ops": 2, "generation": 2, "integration": 3, "pml": 3,
-    "program": 4, "store": 4, "prefix": 5, "engine": 6, "server": 7, "cli": 8, "__main__": 8,
+    "errors": 0, "kernels": 1, "ops": 2, "generation": 2, "integration": 3, "pml": 3,
+    "program": 4, "store": 4, "prefix": 5, "engine": 6, "server": 7, "cli": 8, "__main__": 8, "extras": 9,
 }
-"""Top-level module or package of ``pckernels`` -> floor (``cli*.py`` files are the CLI's)."""
+"""Top-level module or package of ``pckernels`` -> floor (``cli*.py`` files are the CLI's). ``extras``
+(kernels off the product path) stands above everything: nothing else may import it."""
 
 
 def module_name(path: Path) -> str:
