@@ -36,14 +36,14 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import torch
 
-from pckernels.store.disk import _DTYPES, BlockFileError, _check_expected, count_reason, tensor_bytes
+from pckernels.store.blocks import DTYPE_NAMES, DTYPES, BlockFileError, TierStats, check_expected, tensor_bytes
 from pckernels.store.keys import FORMAT_VERSION, BlockKey
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,6 @@ PIPELINE_BYTES = 64 << 20
 """Bytes of chunks fetched or sent per pipeline round trip (bounds the memory in flight)."""
 
 SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def parse_remote_url(url: str) -> str:
@@ -100,14 +99,11 @@ def redact(url: str) -> str:
 
 
 @dataclass
-class RemoteStats:
-    hits: int = 0
+class RemoteStats(TierStats):
     misses: int = 0
     bytes_read: int = 0
     read_s: float = 0.0
-    writes: int = 0
     bytes_written: int = 0
-    write_s: float = 0.0
     present: int = 0
     """Writes skipped because the server already held the block (another process wrote it)."""
     lost_races: int = 0
@@ -117,9 +113,6 @@ class RemoteStats:
     errors: int = 0
     """Connection errors and timeouts."""
     reconnects: int = 0
-    discarded: int = 0
-    """Values found unusable (corrupt, foreign, incomplete) and deleted."""
-    reasons: dict[str, int] = field(default_factory=dict)
 
 
 class RemoteTier:
@@ -322,8 +315,8 @@ class RemoteTier:
             raise
 
     def _read_chunks(self, key: BlockKey, meta: dict, pin: bool) -> torch.Tensor:
-        shape, dtype, nbytes, writer = meta["shape"], _DTYPES[meta["dtype"]], meta["nbytes"], meta["writer"]
-        _check_expected(shape, dtype, key.shape, key.dtype)
+        shape, dtype, nbytes, writer = meta["shape"], DTYPES[meta["dtype"]], meta["nbytes"], meta["writer"]
+        check_expected(shape, dtype, key.shape, key.dtype)
         tensor = torch.empty(shape, dtype=dtype, pin_memory=pin)
         view = tensor_bytes(tensor)
         if view.nbytes != nbytes:
@@ -367,7 +360,7 @@ class RemoteTier:
             dtype_name = str(meta["dtype"])
         except (KeyError, TypeError, ValueError) as exc:
             raise BlockFileError(f"corrupt metadata ({exc!r})") from None
-        if dtype_name not in _DTYPES or chunk < 1 or count != math.ceil(nbytes / chunk) or min(shape, default=0) < 0:
+        if dtype_name not in DTYPES or chunk < 1 or count != math.ceil(nbytes / chunk) or min(shape, default=0) < 0:
             raise BlockFileError("corrupt metadata")
         return {"shape": shape, "dtype": dtype_name, "nbytes": nbytes, "chunk_bytes": chunk, "chunks": count,
                 "writer": writer, "sha256": checksum}
@@ -376,8 +369,7 @@ class RemoteTier:
         log.warning("discarding remote block %s (%s): %s; it will be encoded again", key.label or "",
                     key.digest[:16], reason)
         with self._lock:
-            self.stats.discarded += 1
-            count_reason(self.stats.reasons, reason)
+            self.stats.discard(reason)
         try:
             self._call("deleting a bad block", lambda: self.client.delete(self.meta_key(key.digest), *chunks))
         except self._redis.RedisError as exc:
@@ -480,7 +472,7 @@ class RemoteTier:
                 for index in range(first, min(first + per_round, count)):
                     pipe.set(names[index], memoryview(data[index * chunk:(index + 1) * chunk]))
                 pipe.execute()
-            meta = {"format": REMOTE_FORMAT, "key": key.digest, "dtype": _DTYPE_NAMES[tensor.dtype],
+            meta = {"format": REMOTE_FORMAT, "key": key.digest, "dtype": DTYPE_NAMES[tensor.dtype],
                     "shape": list(tensor.shape), "nbytes": nbytes, "chunk_bytes": chunk, "chunks": count,
                     "writer": writer, "sha256": checksum, **key.describe()}
             kept = bool(self.client.set(self.meta_key(key.digest), json.dumps(meta), nx=True))
