@@ -129,6 +129,8 @@ def read_block(path: Path, digest: str, *, pin: bool = False, shape: tuple[int |
 
 @dataclass
 class DiskStats(TierStats):
+    """The disk tier's counters (``TieredStore.stats()["disk"]``)."""
+
     loads: int = 0
     load_s: float = 0.0
     evictions: int = 0
