@@ -311,6 +311,14 @@ class DiskTier:
             _unlink(self.path(digest))
             self.stats.evictions += 1
 
+    def describe(self) -> dict:
+        """Counters and state for ``TieredStore.stats()``."""
+        s = self.stats
+        return {"enabled": self.off is None, "off_reason": self.off, "hits": s.hits, "entries": len(self),
+                "bytes": self.nbytes, "budget": self.budget, "evictions": s.evictions, "loads": s.loads,
+                "load_s": s.load_s, "writes": s.writes, "write_s": s.write_s, "discarded": s.discarded,
+                "discard_reasons": dict(s.reasons), "skipped": s.skipped, "dir": str(self.root)}
+
     def clear(self) -> int:
         """Delete every block file (and temporary file) under this tier; returns files removed."""
         removed = 0
