@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over one :class:`~pckernels.engine.PromptCache` (FastAPI).
+"""The OpenAI-compatible HTTP API over one engine (FastAPI; ``engine.py`` says what it uses of one).
 
 ``create_app(engine, ...)`` returns the ASGI app ``promptcache serve`` runs with uvicorn. A
 request is authenticated (its tenant gives the cache salt), parsed and planned in a worker
@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pckernels.errors import (DeadlineExceeded, EngineBusyError, PMLError, PromptTooLongError, RequestCancelled,
                               RequestTooLargeError, UnknownSchemaError)
 from pckernels.generation import TextStream
+from pckernels.server.engine import ServingEngine
 from pckernels.server.generation import Watcher
 from pckernels.server.metrics import ServerMetrics
 from pckernels.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SchemaUpload
@@ -47,7 +48,7 @@ _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/schemas
 class ServerState:
     """What the routes share: the engine, tenants, schemas, metrics and limits."""
 
-    engine: object
+    engine: ServingEngine
     tenants: Tenants
     registry: SchemaRegistry
     metrics: ServerMetrics
@@ -63,7 +64,7 @@ class ServerState:
         return "promptcache-" + str(getattr(self.engine, "model_id", ""))[:12]
 
 
-def create_app(engine, *, tenants: Tenants | None = None, model_name: str | None = None,
+def create_app(engine: ServingEngine, *, tenants: Tenants | None = None, model_name: str | None = None,
                schemas_dir: str | Path | None = None, request_timeout: float | None = 600.0,
                default_max_tokens: int = 512, max_body_bytes: int = 32 << 20, close_engine: bool = True) -> FastAPI:
     """The app serving ``engine``. ``tenants``: API keys (None: one open tenant, no salt);
