@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from pckernels.store import BlockKey, CostModel, DiskTier, GreedyDualSizePolicy, LRUPolicy, TieredStore, parse_size
+from pckernels.store import (BlockFileError, BlockKey, CostModel, DiskTier, GreedyDualSizePolicy, LRUPolicy, TieredStore,
+                             parse_size)
 from pckernels.store import disk as disk_module
-from pckernels.store.disk import TEMP_PREFIX, BlockFileError, list_blocks, read_block, write_block
+from pckernels.store.disk import TEMP_PREFIX, list_blocks, read_block, write_block
 
 SHAPE = (2, 2, 1, 8, 4)
 

@@ -2,13 +2,15 @@
 
 Request-side series are updated as requests run; engine-side ones (queue depth, running
 requests, store hits / misses / evictions per tier, prefix-cache hits) are read from
-``PromptCache.stats()`` at scrape time by a custom collector.
+the engine's ``stats()`` at scrape time by a custom collector.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pckernels.server.engine import ServingEngine
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -17,7 +19,7 @@ _GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 class ServerMetrics:
     """The series ``/metrics`` exposes (all prefixed ``promptcache_``)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: ServingEngine) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("promptcache_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
@@ -41,7 +43,7 @@ class ServerMetrics:
 class _EngineCollector:
     """Gauges and counters read from the engine at scrape time."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: ServingEngine) -> None:
         self.engine = engine
 
     def describe(self):

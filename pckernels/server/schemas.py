@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pckernels.pml.model import Schema
+from pckernels.server.engine import ServingEngine
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class SchemaRecord:
 class SchemaRegistry:
     """Uploaded schemas of one engine by ``(salt, name)``; thread-safe."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: ServingEngine) -> None:
         self.engine = engine
         self._records: dict[tuple[str, str], SchemaRecord] = {}
         self._lock = threading.Lock()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pckernels.store.disk import BlockFileError, DiskTier, list_blocks
+from pckernels.store.blocks import BlockFileError
+from pckernels.store.disk import DiskTier, list_blocks
 from pckernels.store.keys import FORMAT_VERSION, BlockKey, BlockKeys
 from pckernels.store.policy import CostModel, GreedyDualSizePolicy, LRUPolicy
 from pckernels.store.remote import RemoteTier, parse_remote_url

@@ -21,13 +21,14 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from pckernels.store.blocks import DTYPES, BlockFileError, TierStats, check_expected, tensor_bytes
 from pckernels.store.keys import FORMAT_VERSION, BlockKey
 from pckernels.store.policy import CostModel, make_policy
 
@@ -38,16 +39,6 @@ SUFFIX = ".safetensors"
 TEMP_PREFIX = ".tmp-"
 STALE_TEMP_S = 3600.0
 MAX_HEADER = 1 << 20
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-class BlockFileError(Exception):
-    """A block file that must not be used (truncated, corrupted, foreign, wrong shape or dtype)."""
-
-
-def tensor_bytes(tensor: torch.Tensor):
-    """The bytes of a contiguous CPU tensor as a writable numpy ``uint8`` view (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def checksum(tensor: torch.Tensor) -> str:
@@ -116,12 +107,12 @@ def read_block(path: Path, digest: str, *, pin: bool = False, shape: tuple[int |
             raise BlockFileError(f"foreign file (holds key {str(meta.get('key'))[:16]}…)")
         try:
             info = header["kv"]
-            stored_dtype = _DTYPES[info["dtype"]]
+            stored_dtype = DTYPES[info["dtype"]]
             stored_shape = [int(d) for d in info["shape"]]
             begin, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise BlockFileError(f"corrupt header ({exc!r})") from None
-        _check_expected(stored_shape, stored_dtype, shape, dtype)
+        check_expected(stored_shape, stored_dtype, shape, dtype)
         tensor = torch.empty(stored_shape, dtype=stored_dtype, pin_memory=pin)
         view = tensor_bytes(tensor)
         if end - begin != view.nbytes:
@@ -136,36 +127,15 @@ def read_block(path: Path, digest: str, *, pin: bool = False, shape: tuple[int |
     return tensor
 
 
-def _check_expected(stored_shape: list[int], stored_dtype: torch.dtype, shape: tuple[int | None, ...] | None,
-                    dtype: torch.dtype | None) -> None:
-    """Refuse a well-formed file whose tensor is not the block its key names."""
-    if dtype is not None and stored_dtype != dtype:
-        raise BlockFileError(f"wrong dtype (holds {stored_dtype}, expected {dtype})")
-    if shape is not None and (len(stored_shape) != len(shape)
-                              or any(want is not None and got != want for got, want in zip(stored_shape, shape))):
-        want = ", ".join("*" if d is None else str(d) for d in shape)
-        raise BlockFileError(f"wrong shape (holds {list(stored_shape)}, expected [{want}])")
-
-
-def count_reason(reasons: dict[str, int], reason: str) -> None:
-    """Count ``reason`` under its kind, the text before any `` (`` detail (``"truncated (12 bytes…)"``)."""
-    kind = reason.split(" (")[0]
-    reasons[kind] = reasons.get(kind, 0) + 1
-
-
 @dataclass
-class DiskStats:
-    hits: int = 0
+class DiskStats(TierStats):
+    """The disk tier's counters (``TieredStore.stats()["disk"]``)."""
+
     loads: int = 0
     load_s: float = 0.0
-    writes: int = 0
-    write_s: float = 0.0
     evictions: int = 0
-    discarded: int = 0
-    """Files found unusable (truncated, corrupt, foreign, wrong shape or dtype) and deleted."""
     skipped: int = 0
     """Blocks larger than the whole disk budget, not written."""
-    reasons: dict[str, int] = field(default_factory=dict)
 
 
 class DiskTier:
@@ -304,8 +274,7 @@ class DiskTier:
     def discard(self, key: BlockKey, reason: str) -> None:
         log.warning("discarding block file %s for %s: %s; it will be re-encoded",
                     self.path(key.digest), key.label or key.digest[:16], reason)
-        self.stats.discarded += 1
-        count_reason(self.stats.reasons, reason)
+        self.stats.discard(reason)
         self._forget(key.digest)
         _unlink(self.path(key.digest))
 
@@ -341,6 +310,14 @@ class DiskTier:
             self._forget(digest)
             _unlink(self.path(digest))
             self.stats.evictions += 1
+
+    def describe(self) -> dict:
+        """Counters and state for ``TieredStore.stats()``."""
+        s = self.stats
+        return {"enabled": self.off is None, "off_reason": self.off, "hits": s.hits, "entries": len(self),
+                "bytes": self.nbytes, "budget": self.budget, "evictions": s.evictions, "loads": s.loads,
+                "load_s": s.load_s, "writes": s.writes, "write_s": s.write_s, "discarded": s.discarded,
+                "discard_reasons": dict(s.reasons), "skipped": s.skipped, "dir": str(self.root)}
 
     def clear(self) -> int:
         """Delete every block file (and temporary file) under this tier; returns files removed."""

@@ -4,12 +4,12 @@ Blocks are ``[L, 2, H, n, D]`` tensors keyed by ``BlockKey``. Placement rules:
 
 * ``put`` writes the block through to disk (when there is a disk tier: this is what survives a
   restart) and keeps it on the device.
-* The device and host tiers are exclusive: a block lives in at most one of them. When the
-  device tier is over budget its victim moves to the host tier; when the host tier is over
-  budget its victim is dropped from memory (written to disk first if the file is missing).
+* The device and host tiers are exclusive (``memory.py``): a block lives in at most one of them.
+  When the device tier is over budget its victim moves to the host tier; when the host tier is
+  over budget its victim is dropped from memory (written to disk first if the file is missing).
   When the disk tier is over budget its victim's file is deleted (re-encoded on next use). A disk
   tier that cannot write (disk full, a file where its directory should be) turns itself off.
-* With a remote tier (Redis/Valkey, ``remote.py``) below disk, ``put`` also queues the block for
+* With a remote tier (Redis/Valkey, ``remote/``) below disk, ``put`` also queues the block for
   a background upload, a local miss reads through to the server (the block is then written to
   disk and promoted like any other), and ``publish`` uploads blocks that stay out of the local
   tiers (prefix-cache blocks). Remote faults only ever cost a miss.
@@ -18,9 +18,7 @@ Blocks are ``[L, 2, H, n, D]`` tensors keyed by ``BlockKey``. Placement rules:
 * ``prefetch`` stages blocks without evicting anything: host blocks are copied to the device
   if it has room, disk blocks are read by a background thread into the host tier if it has room.
 
-On CUDA, host memory is pinned and host-to-device copies run on a side stream with
-``non_blocking=True``; the consuming stream waits on the copy's event (no host sync). On CPU the
-"device" is host memory too: moving between the two memory tiers moves a reference, no copy.
+On CUDA, host memory is pinned and host-to-device copies run on a side stream (``memory.py``).
 Budgets hold after every public call returns. Thread-safe: public methods take the store's lock.
 """
 
@@ -40,7 +38,8 @@ import torch
 
 from pckernels.store.disk import DiskTier
 from pckernels.store.keys import BlockKey
-from pckernels.store.policy import CostModel, EvictionPolicy, make_policy
+from pckernels.store.memory import MemoryTier, MemoryTiers, nbytes_of
+from pckernels.store.policy import CostModel, make_policy
 from pckernels.store.remote import DEFAULT_NAMESPACE, RemoteTier
 
 log = logging.getLogger(__name__)
@@ -90,49 +89,11 @@ def parse_budgets(**budgets: int | float | str | None) -> dict[str, int | None]:
     return {name: None if value is None else parse_size(value, name) for name, value in budgets.items()}
 
 
-def nbytes_of(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def default_device_budget(device: torch.device) -> int:
     """A quarter of the GPU's memory on CUDA; 1 GiB on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory * DEFAULT_CUDA_DEVICE_FRACTION)
     return DEFAULT_CPU_DEVICE_BUDGET
-
-
-class MemoryTier:
-    """Blocks held in memory within ``budget`` bytes, ordered for eviction by ``policy``."""
-
-    def __init__(self, name: str, budget: int, policy: EvictionPolicy) -> None:
-        self.name = name
-        self.budget = int(budget)
-        self.policy = policy
-        self.blocks: dict[BlockKey, torch.Tensor] = {}
-        self.nbytes = 0
-        self.hits = 0
-        self.evictions = 0
-
-    def __contains__(self, key: BlockKey) -> bool:
-        return key in self.blocks
-
-    def free(self) -> int:
-        return self.budget - self.nbytes
-
-    def add(self, key: BlockKey, block: torch.Tensor, hits: int = 1) -> None:
-        self.blocks[key] = block
-        self.nbytes += nbytes_of(block)
-        self.policy.admit(key, nbytes_of(block), hits)
-
-    def pop(self, key: BlockKey) -> torch.Tensor:
-        block = self.blocks.pop(key)
-        self.nbytes -= nbytes_of(block)
-        self.policy.remove(key)
-        return block
-
-    def clear(self) -> None:
-        for key in list(self.blocks):
-            self.pop(key)
 
 
 def _locked(method):
@@ -175,6 +136,7 @@ class TieredStore:
                                       make_policy(policy, REFILL_COST["device-cuda" if on_cuda else "device-cpu"]))
         self.host_tier = MemoryTier("host", DEFAULT_HOST_BUDGET if host is None else host,
                                     make_policy(policy, REFILL_COST["host"]))
+        self.memory = MemoryTiers(self.device, self.device_tier, self.host_tier, self._drop)
         self.disk: DiskTier | None = None
         if disk_dir is not None:
             self.disk = DiskTier(disk_dir, DEFAULT_DISK_BUDGET if disk is None else disk,
@@ -188,12 +150,8 @@ class TieredStore:
         self.prefetched = 0
         self.encodes = 0
         self.encode_s = 0.0
-        self._copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
-        self._copy_done: dict[BlockKey, torch.cuda.Event] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._loading: dict[BlockKey, Future] = {}
-        self._uses: dict[BlockKey, int] = {}
-        """``get`` calls per key, carried across tiers so a block keeps its frequency when it moves."""
         self._lock = threading.RLock()
 
     # -- the engine's interface -------------------------------------------------------------
@@ -201,7 +159,7 @@ class TieredStore:
     @_locked
     def __contains__(self, key: BlockKey) -> bool:
         self._collect_loads()
-        return (key in self.device_tier or key in self.host_tier or key in self._loading
+        return (key in self.memory or key in self._loading
                 or (self.disk is not None and key in self.disk)
                 or (self.remote is not None and self.remote.contains(key)))
 
@@ -210,14 +168,14 @@ class TieredStore:
         """The block ``[L, 2, H, n, D]`` on the store's device, moved up to the device tier; ``None``
         if no tier holds a usable copy."""
         self._collect_loads()
-        self._uses[key] = self._uses.get(key, 0) + 1
+        self.memory.uses[key] = self.memory.uses.get(key, 0) + 1
         if key in self.device_tier:
             self.device_tier.hits += 1
             self.device_tier.policy.touch(key)
-            return self._usable(key, self.device_tier.blocks[key])
+            return self.memory.usable(key, self.device_tier.blocks[key])
         if key in self.host_tier:
             self.host_tier.hits += 1
-            return self._promote(key, self.host_tier.pop(key))
+            return self.memory.promote(key, self.host_tier.pop(key))
         block, source = None, None
         if key in self._loading and self._loading[key].cancel():
             del self._loading[key]
@@ -236,22 +194,22 @@ class TieredStore:
             self.disk.stats.hits += 1
             if self.remote is not None:
                 self.remote.write_behind(key, block, nbytes_of(block))
-        return self._promote(key, block)
+        return self.memory.promote(key, block)
 
     @_locked
     def put(self, key: BlockKey, block: torch.Tensor) -> None:
         """Store a freshly encoded block (on the store's device): written through to disk, kept
         on the device tier (or the host tier when it exceeds the device budget)."""
         self._collect_loads()
-        self._remove_from_memory(key)
+        self.memory.remove(key)
         if self.disk is not None:
             self.disk.write(key, block)
         if self.remote is not None:
             self.remote.write_behind(key, block, nbytes_of(block))
         if nbytes_of(block) <= self.device_tier.budget:
-            self._add_device(key, block)
+            self.memory.add_device(key, block)
         else:
-            self._add_host(key, self._to_host(block))
+            self.memory.add_host(key, self.memory.to_host(block))
 
     def publish(self, key: BlockKey, make_block, nbytes: int) -> bool:
         """Queue a block for the remote tier only (not kept locally): ``make_block()`` returns it
@@ -312,7 +270,7 @@ class TieredStore:
                 continue
             if key in self.host_tier:
                 if nbytes_of(self.host_tier.blocks[key]) <= self.device_tier.free():
-                    self._add_device(key, self._to_device(key, self.host_tier.pop(key), wait=False))
+                    self.memory.add_device(key, self.memory.to_device(key, self.host_tier.pop(key), wait=False))
                     self.prefetched += 1
             elif self.disk is not None and key in self.disk:
                 if self.disk.size_of(key) <= self.host_tier.free():
@@ -329,8 +287,7 @@ class TieredStore:
         self._collect_loads()
         started = 0
         for key in keys:
-            if (key in self.device_tier or key in self.host_tier or key in self._loading
-                    or (self.disk is not None and key in self.disk)):
+            if key in self.memory or key in self._loading or (self.disk is not None and key in self.disk):
                 continue
             if not self.remote.available or self.host_tier.free() <= 0:
                 break
@@ -390,13 +347,7 @@ class TieredStore:
             out[tier.name] = {"hits": tier.hits, "entries": len(tier.blocks), "bytes": tier.nbytes,
                               "budget": tier.budget, "evictions": tier.evictions}
         if self.disk is not None:
-            s = self.disk.stats
-            out["disk"] = {"enabled": self.disk.off is None, "off_reason": self.disk.off,
-                           "hits": s.hits, "entries": len(self.disk), "bytes": self.disk.nbytes,
-                           "budget": self.disk.budget, "evictions": s.evictions, "loads": s.loads,
-                           "load_s": s.load_s, "writes": s.writes, "write_s": s.write_s,
-                           "discarded": s.discarded, "discard_reasons": dict(s.reasons),
-                           "skipped": s.skipped, "dir": str(self.disk.root)}
+            out["disk"] = self.disk.describe()
         if self.remote is not None:
             out["remote"] = self.remote.describe()
         out.update(misses=self.misses, dropped=self.dropped, prefetched=self.prefetched,
@@ -407,9 +358,7 @@ class TieredStore:
     def clear(self, *, disk: bool = False) -> None:
         """Forget every block held in memory (and delete the disk tier's files when ``disk``)."""
         self._collect_loads(wait=True)
-        self.device_tier.clear()
-        self.host_tier.clear()
-        self._copy_done.clear()
+        self.memory.clear()
         if disk and self.disk is not None:
             self.disk.clear()
 
@@ -423,87 +372,19 @@ class TieredStore:
         if self.remote is not None:
             self.remote.close()
 
-    # -- movement between tiers ---------------------------------------------------------------
-
-    def _add_device(self, key: BlockKey, block: torch.Tensor) -> None:
-        size = nbytes_of(block)
-        tier = self.device_tier
-        while tier.nbytes + size > tier.budget:
-            victim = tier.policy.victim()
-            tier.evictions += 1
-            self._add_host(victim, self._to_host(self._usable(victim, tier.pop(victim))))
-        tier.add(key, block, self._uses.get(key, 1))
-
-    def _add_host(self, key: BlockKey, block: torch.Tensor) -> None:
-        size = nbytes_of(block)
-        tier = self.host_tier
-        if size > tier.budget:
-            self._drop(key, block)
-            return
-        while tier.nbytes + size > tier.budget:
-            victim = tier.policy.victim()
-            tier.evictions += 1
-            self._drop(victim, tier.pop(victim))
-        tier.add(key, block, self._uses.get(key, 1))
-
     def _drop(self, key: BlockKey, block: torch.Tensor) -> None:
         """``key`` leaves memory: make sure the disk tier has it, else it is lost."""
-        self._copy_done.pop(key, None)
         if self.disk is not None and (key in self.disk or self.disk.write(key, block)):
             return
         self.dropped += 1
         log.debug("block %s dropped from memory with no copy on disk", key.label)
 
-    def _remove_from_memory(self, key: BlockKey) -> None:
-        for tier in (self.device_tier, self.host_tier):
-            if key in tier:
-                tier.pop(key)
-        self._copy_done.pop(key, None)
-
-    def _promote(self, key: BlockKey, host_block: torch.Tensor) -> torch.Tensor:
-        """Move a host-memory block up: to the device tier when it fits the budget, else back to
-        the host tier (the caller still gets a device copy)."""
-        block = self._to_device(key, host_block, wait=True)
-        if nbytes_of(block) <= self.device_tier.budget:
-            self._add_device(key, block)
-        else:
-            self._add_host(key, host_block)
-        return block
-
-    def _to_device(self, key: BlockKey, host_block: torch.Tensor, *, wait: bool) -> torch.Tensor:
-        """Copy to the device: on CUDA asynchronously on the side stream. ``wait``: the current
-        stream waits for the copy now; otherwise the wait happens when the block is used."""
-        if self._copy_stream is None:
-            return host_block.to(self.device)
-        with torch.cuda.stream(self._copy_stream):
-            block = host_block.to(self.device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._copy_stream)
-        self._copy_done[key] = done
-        return self._usable(key, block) if wait else block
-
-    def _usable(self, key: BlockKey, block: torch.Tensor) -> torch.Tensor:
-        """``block`` made safe to use on the current stream (waits for a pending copy on the GPU)."""
-        done = self._copy_done.pop(key, None)
-        if done is not None:
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(done)
-            block.record_stream(stream)
-        return block
-
-    def _to_host(self, block: torch.Tensor) -> torch.Tensor:
-        if block.device.type == "cpu":
-            return block
-        host = torch.empty(block.shape, dtype=block.dtype, pin_memory=self.pin)
-        host.copy_(block)
-        return host
-
     def _collect_loads(self, wait: bool = False) -> None:
         """Move finished background disk reads into the host tier while it has room."""
         for key in [k for k, f in self._loading.items() if wait or f.done()]:
             block, _ = self._accept_load(key, self._loading.pop(key).result())
-            if block is None or key in self.device_tier or key in self.host_tier:
+            if block is None or key in self.memory:
                 continue
             if nbytes_of(block) <= self.host_tier.free():
-                self.host_tier.add(key, block, self._uses.get(key, 1))
+                self.host_tier.add(key, block, self.memory.uses.get(key, 1))
                 self.prefetched += 1

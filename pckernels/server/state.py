@@ -1,0 +1,38 @@
+"""What the routes of one server share: :class:`ServerState`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pckernels.server.engine import ServingEngine
+from pckernels.server.metrics import ServerMetrics
+from pckernels.server.protocol import APIError
+from pckernels.server.schemas import SchemaRecord, SchemaRegistry
+from pckernels.server.tenants import Tenants
+
+
+@dataclass
+class ServerState:
+    """The engine, tenants, schemas, metrics and limits of one server."""
+
+    engine: ServingEngine
+    tenants: Tenants
+    registry: SchemaRegistry
+    metrics: ServerMetrics
+    model_name: str
+    request_timeout: float | None
+    default_max_tokens: int
+    startup: list[SchemaRecord] = field(default_factory=list)
+    created: int = field(default_factory=lambda: int(time.time()))
+    stopping: bool = False
+
+    @property
+    def fingerprint(self) -> str:
+        return "promptcache-" + str(getattr(self.engine, "model_id", ""))[:12]
+
+    def check_model(self, name: str) -> None:
+        """Refuse a request for a model other than the one served (``default`` names it too)."""
+        if name not in (self.model_name, "default"):
+            raise APIError(404, f"The model {name!r} does not exist; this server serves {self.model_name!r}.",
+                           param="model", code="model_not_found")
