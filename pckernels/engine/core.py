@@ -25,7 +25,6 @@ from pckernels.engine.encoder import ModuleEncoder
 from pckernels.engine.loading import default_device, default_dtype, default_kv_budget, load_pretrained
 from pckernels.engine.namespaces import SchemaNamespaces
 from pckernels.engine.options import check_load_options, resolve_device, resolve_dtype
-from pckernels.engine.plan import BlockRef
 from pckernels.engine.prefix_rows import EnginePrefixCache
 from pckernels.engine.request import Request, RequestHandle
 from pckernels.engine.requests import RequestBuilder, deadline_at
@@ -253,10 +252,6 @@ class PromptCache:
     def block_key(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> BlockKey:
         """The store key of ``module``'s block in ``schema`` (:meth:`ModuleBlocks.block_key`)."""
         return self.blocks.block_key(schema, module, scaffold, geometry)
-
-    def arena_key(self, schema: Schema, ref: BlockRef):
-        """What a block placed for ``ref`` is kept under in the arena (:meth:`ModuleBlocks.arena_key`)."""
-        return self.blocks.arena_key(schema, ref)
 
     def fetch_block(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> torch.Tensor:
         """A module's block ``[L, 2, H, n, D]`` from the store, encoded again if no tier holds it
