@@ -345,3 +345,30 @@ def test_match_holds_what_it_found_until_released(tokenizer):
     assert cache.evict(1 << 40) == 0
     cache.release(again)
     assert cache.evict(1 << 40) == stored and cache.stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])
+def test_reading_chunk_by_chunk_equals_one_prefill(tokenizer, model_type):
+    """``begin`` + ``advance`` a chunk at a time is the same read as ``prefill`` (bitwise), and a
+    reading closed half-way stores the blocks it completed, holds nothing, and counts nothing."""
+    cache = PrefixCache(tiny_model(model_type, len(tokenizer)), tokenizer, block_size=BLOCK)
+    ids = encode_prompt(tokenizer, system_prompt(5) + " " + system_prompt(6))
+    reference = cache.prefill(ids, reuse=False)
+    reading = cache.begin(ids)
+    steps = 0
+    while not reading.advance(BLOCK):
+        steps += 1
+    reading.close()
+    assert steps == (len(ids) - 1) // BLOCK and torch.equal(reading.logits, reference.logits)
+    assert reading.cached_tokens == 0 and cache.stats()["queries"] == 1
+
+    other = encode_prompt(tokenizer, system_prompt(7) + " " + system_prompt(8))
+    before = cache.stats()
+    half = cache.begin(other)
+    half.advance(2 * BLOCK)
+    half.close()
+    after = cache.stats()
+    assert after["entries"] == before["entries"] + 2 and after["queries"] == before["queries"]
+    assert cache.evict(1 << 40) == after["bytes"], "a closed reading holds nothing"
+    resumed = cache.prefill(other)
+    assert torch.equal(resumed.logits, cache.prefill(other, reuse=False).logits)

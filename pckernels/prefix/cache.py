@@ -30,6 +30,7 @@ from pckernels.prefix.base import BasePrefixCache, Prefill, PrefixMatch
 from pckernels.prefix.blocks import BlockStore, CachedEntry, block_keys, prompt_end_key
 from pckernels.prefix.check import self_check
 from pckernels.prefix.prompts import Prompt, encode_prompt
+from pckernels.prefix.reading import Reading
 from pckernels.prefix.spill import BlockSpill
 from pckernels.prefix.states import KV, CacheStates
 from pckernels.store import TieredStore
@@ -180,16 +181,19 @@ class PrefixCache(BasePrefixCache):
         states go, for caches that read into given rows (``BasePrefixCache.prefill``; this class's
         HF caches keep their own and refuse them). Not thread-safe with other forwards of the
         model."""
-        self.check_length(len(prompt_ids))
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        use_store = reuse and self.refusal is None
-        with torch.no_grad():
-            if use_store:
-                prefill = self._prefill_reusing(prompt_ids, ids, salt, rows, placed)
-            else:
-                prefill = self._prefill_uncached(ids, rows)
-        prefill.mode = "prefix" if use_store else "uncached"
-        return prefill
+        reading = self.begin(prompt_ids, reuse=reuse, salt=salt, rows=rows, placed=placed)
+        try:
+            reading.advance()
+        finally:
+            reading.close()
+        return reading.prefill()
+
+    def begin(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
+              rows: torch.Tensor | None = None, placed: int = 0) -> Reading:
+        """Start reading ``prompt_ids`` as :meth:`prefill` does (the stored prefix restored at once),
+        for a caller that reads the rest a few chunks at a time (:class:`~pckernels.prefix.reading.Reading`);
+        close the reading when done or abandoned."""
+        return Reading(self, prompt_ids, reuse=reuse, salt=salt, rows=rows, placed=placed)
 
     def match(self, prompt_ids: list[int], salt: str = "") -> PrefixMatch:
         """The longest stored prefix of ``prompt_ids`` a prefill can resume after, reading blocks
@@ -273,14 +277,6 @@ class PrefixCache(BasePrefixCache):
         with self._lock:
             self._store.clear()
 
-    def _prefill_uncached(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> Prefill:
-        """Prefill without the store: in ``chunk_size`` pieces, or in one pass when reuse is refused
-        (a refused model may not continue a prefill from its cache, so chunking could change it)."""
-        cache = self.states.new_cache(rows)
-        chunk = self.chunk_size if self.refusal is None else ids.shape[1]
-        logits = self.run_chunks(ids, cache, 0, chunk)
-        return Prefill(logits, cache, 0)
-
     def chain_keys(self, prompt_ids: list[int], salt: str = "") -> list[bytes]:
         """The names of the full blocks of ``prompt_ids`` under ``salt`` (see :func:`block_keys`)."""
         return block_keys(prompt_ids, self.block_size, self._chain_root(salt))
@@ -288,29 +284,15 @@ class PrefixCache(BasePrefixCache):
     def _chain_root(self, salt: str) -> bytes:
         return self._root + b"/salt/" + salt.encode() if salt else self._root
 
-    def _prefill_reusing(self, prompt_ids: list[int], ids: torch.Tensor, salt: str, rows: torch.Tensor | None,
-                         placed: int) -> Prefill:
-        """Restore the longest stored prefix (:meth:`match`) and compute the rest, storing its blocks."""
-        n = len(prompt_ids)
-        found = self.match(prompt_ids, salt)
-        try:
-            cache = self.states.new_cache(rows)
-            if found.chain:
-                self.states.restore(cache, [entry.kv for entry in found.chain], found.chain[-1].states, placed=placed)
-            if found.end is not None:
-                logits = found.end.final_logits.clone()
-            else:
-                logits = self._compute_and_store(ids, found, cache)
-        finally:
-            self.release(found.held)
-        cached = n if found.end is not None else found.cached_tokens
+    def count(self, num_tokens: int, cached_tokens: int, *, whole: bool) -> None:
+        """Count a finished reading with reuse: ``cached_tokens`` of ``num_tokens`` restored,
+        ``whole``: the prompt end was stored (no forward)."""
         with self._lock:
             self._counters["queries"] += 1
-            self._counters["hits"] += cached > 0
-            self._counters["full_hits"] += found.end is not None
-            self._counters["hit_tokens"] += cached
-            self._counters["computed_tokens"] += n - cached
-        return Prefill(logits, cache, cached)
+            self._counters["hits"] += cached_tokens > 0
+            self._counters["full_hits"] += whole
+            self._counters["hit_tokens"] += cached_tokens
+            self._counters["computed_tokens"] += num_tokens - cached_tokens
 
     def _restore_spilled(self, keys: list[bytes], matched: list[CachedEntry], num_tokens: int) -> list[CachedEntry]:
         """Continue ``matched`` (the in-memory chain of ``keys``) with blocks from the spill store.
@@ -349,36 +331,34 @@ class PrefixCache(BasePrefixCache):
             usable -= 1
         return matched[:usable]
 
-    def _compute_and_store(self, ids: torch.Tensor, found: PrefixMatch, cache) -> torch.Tensor:
-        """Prefill ``ids[:, found.cached_tokens:]``, storing each completed block and then the prompt
-        end; ``found.held`` follows the deepest stored entry of this prompt. Returns the last-token
-        logits."""
+    def store_blocks(self, found: PrefixMatch, cache, chunk_start: int, chunk_end: int) -> None:
+        """After a chunk ``[chunk_start, chunk_end)`` was read into ``cache``: store each full block
+        it completed (with the recurrent snapshot where a block ends a chunk); ``found.held``
+        follows the deepest stored entry of the prompt."""
         block = self.block_size
         recurrent = self.states.has_recurrent_layers
-        keys = found.keys
+        for block_start in range(chunk_start, chunk_end - block + 1, block):
+            block_end = block_start + block
+            at_boundary = recurrent and block_end % self.chunk_size == 0
+            entry = CachedEntry(
+                key=found.keys[block_start // block], parent=found.held, start=block_start, num_tokens=block,
+                kv=self.states.kv_slice(cache, block_start, block_end),
+                states=self.states.recurrent_snapshot(cache) if at_boundary else None,
+            )
+            self._insert_and_hold(found, entry)
+            if self.spill is not None and self.spill.shared:
+                self.spill.publish(entry)
 
-        def store_blocks(chunk_start: int, chunk_end: int) -> None:
-            for block_start in range(chunk_start, chunk_end - block + 1, block):
-                block_end = block_start + block
-                at_boundary = recurrent and block_end % self.chunk_size == 0
-                entry = CachedEntry(
-                    key=keys[block_start // block], parent=found.held, start=block_start, num_tokens=block,
-                    kv=self.states.kv_slice(cache, block_start, block_end),
-                    states=self.states.recurrent_snapshot(cache) if at_boundary else None,
-                )
-                self._insert_and_hold(found, entry)
-                if self.spill is not None and self.spill.shared:
-                    self.spill.publish(entry)
-
-        logits = self.run_chunks(ids, cache, found.cached_tokens, self.chunk_size, on_chunk=store_blocks)
-        full_end = len(keys) * block
+    def store_end(self, found: PrefixMatch, cache, num_tokens: int, logits: torch.Tensor) -> None:
+        """Store the prompt end (its partial last block, states and last ``logits [vocab]``) once
+        the whole prompt of ``num_tokens`` tokens is read into ``cache``."""
+        full_end = len(found.keys) * self.block_size
         self._insert_and_hold(found, CachedEntry(
-            key=found.end_key, parent=found.held, start=full_end, num_tokens=ids.shape[1] - full_end,
-            kv=self.states.kv_slice(cache, full_end, ids.shape[1]),
-            states=self.states.recurrent_snapshot(cache) if recurrent else None,
+            key=found.end_key, parent=found.held, start=full_end, num_tokens=num_tokens - full_end,
+            kv=self.states.kv_slice(cache, full_end, num_tokens),
+            states=self.states.recurrent_snapshot(cache) if self.states.has_recurrent_layers else None,
             final_logits=logits.clone(),
         ))
-        return logits
 
     def _insert_and_hold(self, found: PrefixMatch, entry: CachedEntry) -> None:
         """Store ``entry`` (held on insertion) and drop this reader's hold on its parent."""

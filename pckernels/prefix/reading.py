@@ -1,0 +1,119 @@
+"""One prompt read chunk by chunk: a prefill that can stop between chunks and go on later.
+
+A :class:`Reading` is what :meth:`PrefixCache.begin <pckernels.prefix.PrefixCache.begin>` returns:
+the longest stored prefix already restored into its working cache (``reuse``), then
+:meth:`Reading.advance` reads the rest in the same ``chunk_size`` pieces from the same chunk
+boundaries as a prefill from scratch, storing each full block (and, with it, the recurrent
+snapshot at its end) and finally the prompt end. A caller that interleaves prompts with other
+work (the engine's scheduler) advances it a few chunks per step; :meth:`PrefixCache.prefill`
+advances it to the end at once. Either way the chunks, and so the bits, are the same.
+:meth:`Reading.close` lets go of what it holds; a reading closed before its end stores what it
+completed and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pckernels.prefix.base import Prefill, PrefixMatch
+
+
+class Owner(Protocol):
+    """What a reading uses of its :class:`~pckernels.prefix.PrefixCache`."""
+
+    device: torch.device
+    refusal: str | None
+    chunk_size: int
+    states: object
+
+    def check_length(self, num_tokens: int) -> None: ...
+
+    def match(self, prompt_ids: list[int], salt: str = "") -> PrefixMatch: ...
+
+    def release(self, entry) -> None: ...
+
+    def forward_chunk(self, cache, input_ids: torch.Tensor, first_position: int) -> torch.Tensor: ...
+
+    def store_blocks(self, found: PrefixMatch, cache, chunk_start: int, chunk_end: int) -> None: ...
+
+    def store_end(self, found: PrefixMatch, cache, num_tokens: int, logits: torch.Tensor) -> None: ...
+
+    def count(self, num_tokens: int, cached_tokens: int, *, whole: bool) -> None: ...
+
+
+class Reading:
+    """A prompt being read (module docstring). ``owner``: the prefix cache; ``prompt_ids``: the
+    prompt; ``reuse``: restore and store (else read in the same chunks, nothing looked up or stored);
+    ``salt``: the chain's namespace; ``rows``/``placed``: where the states go (``BasePrefixCache.prefill``)."""
+
+    def __init__(self, owner: Owner, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
+                 rows: torch.Tensor | None = None, placed: int = 0) -> None:
+        owner.check_length(len(prompt_ids))
+        self.owner = owner
+        self.num_tokens = len(prompt_ids)
+        self.ids = torch.tensor([prompt_ids], dtype=torch.long, device=owner.device)
+        self.use_store = reuse and owner.refusal is None
+        self.chunk = owner.chunk_size if owner.refusal is None else self.num_tokens
+        self.mode = "prefix" if self.use_store else "uncached"
+        self.logits: torch.Tensor | None = None
+        """``[vocab]`` logits of the prompt's last token, once it is read."""
+        self.found: PrefixMatch | None = owner.match(prompt_ids, salt) if self.use_store else None
+        self._closed = False
+        try:
+            self.cache = owner.states.new_cache(rows)
+            found = self.found
+            if found is not None and found.chain:
+                with torch.no_grad():
+                    owner.states.restore(self.cache, [entry.kv for entry in found.chain], found.chain[-1].states,
+                                         placed=placed)
+            if found is not None and found.end is not None:
+                self.logits = found.end.final_logits.clone()
+                self.position = self.num_tokens
+                self.cached_tokens = self.num_tokens
+            else:
+                self.position = self.cached_tokens = found.cached_tokens if found is not None else 0
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def done(self) -> bool:
+        """Whether the whole prompt is read (:attr:`logits` set)."""
+        return self.logits is not None
+
+    def advance(self, tokens: int | None = None) -> bool:
+        """Read chunks until at least ``tokens`` more prompt tokens are read (``None``: to the end);
+        returns :attr:`done`."""
+        owner = self.owner
+        read = 0
+        with torch.no_grad():
+            while not self.done and (tokens is None or read < tokens):
+                start = self.position
+                end = min(start + self.chunk, self.num_tokens)
+                logits = owner.forward_chunk(self.cache, self.ids[:, start:end], start)
+                if self.use_store:
+                    owner.store_blocks(self.found, self.cache, start, end)
+                self.position = end
+                read += end - start
+                if end == self.num_tokens:
+                    if self.use_store:
+                        owner.store_end(self.found, self.cache, self.num_tokens, logits)
+                    self.logits = logits
+        return self.done
+
+    def close(self) -> None:
+        """Let go of the stored entries this reading holds; a finished reading is counted in the
+        owner's statistics. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.found is not None:
+            self.owner.release(self.found.held)
+            if self.done:
+                self.owner.count(self.num_tokens, self.cached_tokens, whole=self.found.end is not None)
+
+    def prefill(self) -> Prefill:
+        """The finished reading as a :class:`~pckernels.prefix.base.Prefill`."""
+        return Prefill(self.logits, self.cache, self.cached_tokens, self.mode)
