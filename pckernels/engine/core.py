@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from pckernels.engine.arena_runner import ArenaRunner
 from pckernels.engine.blocks import ModuleBlocks
 from pckernels.engine.context import EngineContext
 from pckernels.engine.deviation import DeviationScores
@@ -145,10 +146,10 @@ class PromptCache:
         self.deviation = DeviationScores(self.context)
         self._prefix: EnginePrefixCache | None = None
         self._prefix_lock = threading.Lock()
-        self.scheduler = Scheduler(self.context, lambda: self.prefix,
-                                   max_bytes=default_kv_budget(self.device) if kv_bytes is None else kv_bytes,
-                                   max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens,
-                                   lookahead=lookahead)
+        runner = ArenaRunner(self.context, lambda: self.prefix,
+                             max_bytes=default_kv_budget(self.device) if kv_bytes is None else kv_bytes)
+        self.scheduler = Scheduler(self.context, runner, max_queue=max_queue, max_batch=max_batch,
+                                   step_tokens=step_tokens, lookahead=lookahead)
         self._requests = RequestBuilder(tokenizer, self.max_positions, self.namespaces, self.blocks,
                                         lambda schema: self.scheduler.call(lambda: self.deviation.for_schema(schema)),
                                         lambda n: self.prefix.check_length(n))

@@ -20,7 +20,7 @@ from pckernels.engine.arena import KVArena, ResidentBlock, row_ranges
 from pckernels.engine.context import EngineContext
 from pckernels.engine.plan import BlockRef
 from pckernels.engine.request import Request, RequestHandle
-from pckernels.engine.running import Running, own_rows
+from pckernels.engine.running import ArenaRequest, own_rows
 from pckernels.generation import TokenChoice
 from pckernels.pml.model import Schema
 from pckernels.prefix.base import BasePrefixCache
@@ -48,19 +48,20 @@ class Placer:
                     rows += ref.n_rows
         return rows
 
-    def start(self, handle: RequestHandle, choice: TokenChoice) -> tuple[Running, torch.Tensor | None]:
+    def start(self, handle: RequestHandle, choice: TokenChoice) -> tuple[ArenaRequest, torch.Tensor | None]:
         """``handle``'s request placed in the arena; with the logits ``[vocab]`` of its prompt's
         last token when the prompt is already read (plain prompts), else None."""
         if handle.request.prefix is not None:
             return self._start_prefix(handle, choice)
         return self._start_pml(handle, choice), None
 
-    def _start_pml(self, handle: RequestHandle, choice: TokenChoice) -> Running:
+    def _start_pml(self, handle: RequestHandle, choice: TokenChoice) -> ArenaRequest:
         request = handle.request
         plan = request.plan
         device = self.ctx.device
-        active = Running(handle, choice, [], list(plan.new_tokens), list(plan.new_positions), plan.live,
-                         cached_tokens=plan.cached_tokens, computed_tokens=len(plan.new_tokens), mode=request.mode)
+        active = ArenaRequest(handle, choice, cached_tokens=plan.cached_tokens, computed_tokens=len(plan.new_tokens),
+                              mode=request.mode, new_tokens=list(plan.new_tokens),
+                              new_positions=list(plan.new_positions), live=plan.live)
         try:
             visible: list[torch.Tensor] = []
             for ref in plan.blocks:
@@ -119,7 +120,7 @@ class Placer:
         self.counters["blocks_placed"] += 1
         return block
 
-    def _start_prefix(self, handle: RequestHandle, choice: TokenChoice) -> tuple[Running, torch.Tensor]:
+    def _start_prefix(self, handle: RequestHandle, choice: TokenChoice) -> tuple[ArenaRequest, torch.Tensor]:
         """Prefill a plain prompt exactly through the prefix cache (alone), straight into a
         contiguous run of its own rows. When free rows still hold the prompt's leading blocks
         from an earlier request (:meth:`KVArena.remember_prefix`), the run starts there and those
@@ -146,8 +147,9 @@ class Placer:
             raise
         if placed:
             self.counters["prefix_tokens_in_place"] += placed
-        active = Running(handle, choice, own, list(ids), list(range(n)), None, cached_tokens=prefill.cached_tokens,
-                         computed_tokens=n - prefill.cached_tokens, mode=prefill.mode)
+        active = ArenaRequest(handle, choice, cached_tokens=prefill.cached_tokens,
+                              computed_tokens=n - prefill.cached_tokens, mode=prefill.mode, rows=own,
+                              new_tokens=list(ids), new_positions=list(range(n)))
         if run:
             active.prefix_blocks = (keys or prefix.chain_keys(ids, request.prefix.salt), run[0], prefix.block_size)
         rows = torch.tensor(active.rows[:n], dtype=torch.long, device=device)
@@ -162,7 +164,7 @@ class Placer:
         active.next_pos = n
         return active, prefill.logits
 
-    def release(self, active: Running) -> None:
+    def release(self, active: ArenaRequest) -> None:
         """Give back ``active``'s blocks and rows (a plain prompt's run is remembered, so a later
         request reading the same blocks may take those rows as they are)."""
         for key in active.block_keys:

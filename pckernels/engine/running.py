@@ -1,4 +1,6 @@
-"""A request while the scheduler runs it: its rows, its progress, its token choices.
+"""A request while the scheduler runs it: its progress and its token choices, and what its runner
+keeps for it (arena rows for attention-only models, :class:`ArenaRequest`; the hybrid runner's in
+:mod:`~pckernels.engine.hybrid`).
 
 Everything in a :class:`Running` belongs to one request and is touched by the scheduler thread
 only; the caller sees the request through its :class:`~pckernels.engine.request.RequestHandle`.
@@ -20,42 +22,20 @@ def own_rows(request: Request) -> int:
     return request.new_tokens + request.params.max_new_tokens - 1
 
 
-@dataclass
+@dataclass(eq=False)
 class Running:
-    """A running request (module docstring)."""
+    """A running request: what every runner tracks (module docstring)."""
 
     handle: RequestHandle
     choice: TokenChoice
-    rows: list[int]
-    """Own rows: its new tokens' first, then its decoded tokens'."""
-    new_tokens: list[int]
-    new_positions: list[int]
-    live: list[bool] | None
-    """Which new tokens later tokens may see (``None``: all)."""
     cached_tokens: int = 0
     computed_tokens: int = 0
     mode: str = "cached"
-    block_keys: list = field(default_factory=list)
-    """Arena keys of the module blocks it holds."""
-    block_rows: torch.Tensor | None = None
-    """Rows of its modules it may see ``[k]`` (device, long)."""
-    prefilled: int = 0
-    """New tokens computed so far (own rows ``0 .. prefilled - 1`` written)."""
     decoded_rows: int = 0
-    """Decoded tokens forwarded so far (own rows after the new tokens')."""
+    """Decoded tokens forwarded so far."""
     pending: int | None = None
     """The last chosen token, forwarded at ``next_pos`` by the next step."""
     next_pos: int = 0
-    own_visible: torch.Tensor | None = None
-    """Own rows later tokens may see ``[m]`` (device, long), kept up to date."""
-    max_row: int = -1
-    """The highest arena row the request may see (its steps' key extent), kept without device syncs."""
-    prefix_blocks: tuple | None = None
-    """A plain prompt read into one run of rows: ``(block keys, first row, block size)``, remembered
-    by the arena when its rows are freed."""
-    shown_decoded: int = 0
-    """Decoded-token rows already in ``own_visible`` (a rejected draft's rows stay there, hidden by
-    position until the tokens at those positions overwrite them)."""
     drafter: NgramDrafter | None = None
     """Its prompt-lookup drafts (greedy requests of a scheduler with ``lookahead``), made at its first
     decode step."""
@@ -68,10 +48,6 @@ class Running:
         return self.handle.request
 
     @property
-    def reading(self) -> bool:
-        return self.prefilled < len(self.new_tokens)
-
-    @property
     def token_ids(self) -> list[int]:
         """The tokens chosen so far."""
         return self.choice.token_ids
@@ -81,3 +57,35 @@ class Running:
         request = self.request
         return self.choice.result(request.prompt_token_ids, request.positions, cached_tokens=self.cached_tokens,
                                   computed_tokens=self.computed_tokens, mode=self.mode)
+
+
+@dataclass(eq=False)
+class ArenaRequest(Running):
+    """A running request of an attention-only model: its rows and blocks in the KV arena."""
+
+    rows: list[int] = field(default_factory=list)
+    """Own rows: its new tokens' first, then its decoded tokens'."""
+    new_tokens: list[int] = field(default_factory=list)
+    new_positions: list[int] = field(default_factory=list)
+    live: list[bool] | None = None
+    """Which new tokens later tokens may see (``None``: all)."""
+    block_keys: list = field(default_factory=list)
+    """Arena keys of the module blocks it holds."""
+    block_rows: torch.Tensor | None = None
+    """Rows of its modules it may see ``[k]`` (device, long)."""
+    prefilled: int = 0
+    """New tokens computed so far (own rows ``0 .. prefilled - 1`` written)."""
+    own_visible: torch.Tensor | None = None
+    """Own rows later tokens may see ``[m]`` (device, long), kept up to date."""
+    max_row: int = -1
+    """The highest arena row the request may see (its steps' key extent), kept without device syncs."""
+    prefix_blocks: tuple | None = None
+    """A plain prompt read into one run of rows: ``(block keys, first row, block size)``, remembered
+    by the arena when its rows are freed."""
+    shown_decoded: int = 0
+    """Decoded-token rows already in ``own_visible`` (a rejected draft's rows stay there, hidden by
+    position until the tokens at those positions overwrite them)."""
+
+    @property
+    def reading(self) -> bool:
+        return self.prefilled < len(self.new_tokens)

@@ -33,21 +33,16 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 
-from pckernels.engine.arena import KVArena
-from pckernels.engine.buffer import BufferCache
 from pckernels.engine.context import EngineContext
 from pckernels.engine.decoding import Decoding
-from pckernels.engine.placement import Placer
 from pckernels.engine.request import Request, RequestHandle
-from pckernels.engine.running import Running, own_rows
-from pckernels.engine.step import StepPlan, plan_step
-from pckernels.errors import DeadlineExceeded, EngineBusyError, RequestCancelled, RequestTooLargeError
+from pckernels.engine.runner import Runner
+from pckernels.engine.running import Running
+from pckernels.errors import DeadlineExceeded, EngineBusyError, RequestCancelled
 from pckernels.generation import TokenChoice
-from pckernels.prefix.base import BasePrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +68,8 @@ class _Call:
 class Scheduler:
     """Runs requests for one engine (see the module docstring).
 
-    ``ctx``: the model and where blocks come from; ``prefix()``: the engine's prefix cache for
-    plain prompts (made on first use); ``max_bytes``: the KV arena's budget;
+    ``ctx``: the model; ``runner``: keeps the requests' states and runs the steps
+    (:mod:`~pckernels.engine.runner`);
     ``max_queue``: waiting requests before ``submit`` raises ``EngineBusyError``;
     ``max_batch``: running requests at once; ``step_tokens``: prompt tokens read per step;
     ``idle_exit_s``: the thread stops after that long without work and restarts on demand;
@@ -82,18 +77,15 @@ class Scheduler:
     (prompt lookup, :mod:`pckernels.engine.lookahead`; 0: none).
     """
 
-    def __init__(self, ctx: EngineContext, prefix: Callable[[], BasePrefixCache], *, max_bytes: int,
-                 max_queue: int = 256, max_batch: int = 64, step_tokens: int = 2048, idle_exit_s: float = 5.0,
-                 lookahead: int = 0) -> None:
+    def __init__(self, ctx: EngineContext, runner: Runner, *, max_queue: int = 256, max_batch: int = 64,
+                 step_tokens: int = 2048, idle_exit_s: float = 5.0, lookahead: int = 0) -> None:
         if max_queue < 1 or max_batch < 1 or step_tokens < 1:
             raise ValueError(f"need max_queue, max_batch and step_tokens >= 1, got {max_queue}, {max_batch}, "
                              f"{step_tokens}")
         self.ctx = ctx
-        self.counters = collections.Counter()
+        self.runner = runner
+        self.counters = runner.counters
         self.decoding = Decoding(ctx.max_positions, self.counters, lookahead)
-        self.arena = KVArena(ctx.layout, dtype=ctx.dtype, device=ctx.device, max_bytes=max_bytes)
-        self.cache = BufferCache(self.arena)
-        self.placer = Placer(ctx, self.arena, prefix, self.counters)
         self.max_queue = max_queue
         self.max_batch = max_batch
         self.step_tokens = step_tokens
@@ -106,11 +98,20 @@ class Scheduler:
         self._closed = False
         self.profiler = None
         """A ``cProfile.Profile`` enabled around the loop's work while set (perf's time breakdown)."""
-        self.peak = {"rows": 0, "module_rows": 0, "private_module_rows": 0}
-        """KV rows in use at the busiest moment since the last ``reset_peak``: all referenced rows,
-        the rows of the distinct modules running requests share, and what private copies of those
-        modules per request would have taken."""
         self.batch_sizes: collections.Counter = collections.Counter()
+
+    @property
+    def arena(self):
+        """The attention-only runner's KV arena (None for hybrid models)."""
+        return getattr(self.runner, "arena", None)
+
+    @property
+    def peak(self) -> dict:
+        """The arena runner's busiest moment since :meth:`reset_peak` (``ArenaRunner.peak``)."""
+        return self.runner.peak
+
+    def reset_peak(self) -> None:
+        self.runner.reset_peak()
 
     @property
     def lookahead(self) -> int:
@@ -126,9 +127,9 @@ class Scheduler:
     def submit(self, request: Request) -> RequestHandle:
         """Queue ``request``; raises ``RequestTooLargeError`` if it can never fit the KV budget and
         ``EngineBusyError`` if the queue is full (nothing is queued then)."""
-        alone = own_rows(request) + sum(b.n_rows for b in (request.plan.blocks if request.plan else ()))
-        if alone > self.arena.max_rows:
-            raise RequestTooLargeError(alone, self.arena.max_rows, self.arena.bytes_per_row)
+        error = self.runner.too_large(request)
+        if error is not None:
+            raise error
         handle = RequestHandle(request, wake=self._wake)
         with self._cv:
             if self._closed:
@@ -181,20 +182,11 @@ class Scheduler:
             thread.join()
 
     def stats(self) -> dict:
-        """Counters and the arena's state (read from snapshots: safe while the loop runs)."""
+        """Counters and the runner's state (read from snapshots: safe while the loop runs)."""
         with self._cv:
             waiting, running = len(self._waiting), len(self._running)
-        arena = self.arena
-        blocks = list(arena.blocks.values())
-        free = arena.allocator.free_rows
-        capacity = arena.capacity
-        idle = sum(len(b.rows) for b in blocks if b.refs == 0)
         return {"waiting": waiting, "running": running, **self.counters,
-                "batch_sizes": dict(sorted(self.batch_sizes.items())),
-                "arena": {"capacity_rows": capacity, "max_rows": arena.max_rows, "used_rows": capacity - free,
-                          "referenced_rows": capacity - free - idle, "bytes_per_row": arena.bytes_per_row,
-                          "bytes": capacity * arena.bytes_per_row, "resident_blocks": len(blocks),
-                          "shared_blocks": sum(1 for b in blocks if b.refs > 1), "growths": arena.growths}}
+                "batch_sizes": dict(sorted(self.batch_sizes.items())), **self.runner.stats()}
 
     def _wake(self) -> None:
         with self._cv:
@@ -259,7 +251,7 @@ class Scheduler:
             handle._fail(error)
         self._waiting.clear()
         for active in self._running:
-            self.placer.release(active)
+            self.runner.release(active)
             active.handle._fail(error)
         self._running.clear()
 
@@ -291,7 +283,7 @@ class Scheduler:
 
     def _drop(self, active: Running, error: BaseException) -> None:
         self._running.remove(active)
-        self.placer.release(active)
+        self.runner.release(active)
         active.handle._fail(error)
 
     # -- admission ------------------------------------------------------------------------------------
@@ -300,7 +292,7 @@ class Scheduler:
         if len(self._running) >= self.max_batch:
             return False
         request = self._waiting[0].request
-        return self.arena.referenced_rows() + self.placer.added_rows(request) <= self.arena.max_rows
+        return self.runner.fits(request)
 
     def _admit(self) -> None:
         while True:
@@ -317,7 +309,7 @@ class Scheduler:
             if active is not None:
                 self._running.append(active)
                 self.counters["admitted"] += 1
-                self._note_peak()
+                self.runner.admitted(active)
 
     def _start(self, handle: RequestHandle) -> Running | None:
         """Place ``handle``'s request; a plain prompt is read here and chooses its first token
@@ -325,53 +317,42 @@ class Scheduler:
         request = handle.request
         choice = TokenChoice(request.params, self.ctx.tokenizer, self.ctx.eos_ids,
                              max_positions=self.ctx.max_positions, started=request.submitted)
-        active, logits = self.placer.start(handle, choice)
+        active, logits = self.runner.start(handle, choice)
         if logits is not None and not self.decoding.choose(active, logits):
             self._finish(active)
             return None
         return active
 
-    def reset_peak(self) -> None:
-        self.peak = {"rows": 0, "module_rows": 0, "private_module_rows": 0}
-
-    def _note_peak(self) -> None:
-        rows = self.arena.referenced_rows()
-        if rows > self.peak["rows"]:
-            shared = sum(len(b.rows) for b in self.arena.blocks.values() if b.refs > 0)
-            private = sum(len(b.rows) * b.refs for b in self.arena.blocks.values() if b.refs > 0)
-            self.peak = {"rows": rows, "module_rows": shared, "private_module_rows": private}
-
     # -- a step -----------------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        items = plan_step(self._running, self.step_tokens, self.decoding.drafts)
-        if not items:
+        done = self.runner.step(self._running, self.step_tokens, self.decoding.drafts)
+        if done is None:
             return
-        try:
-            plan = StepPlan.build(items, self.arena, self.ctx.dtype, self.ctx.device)
-            logits = plan.run(self.ctx.adapter, self.cache)
-        except Exception as exc:  # the step failed: its requests fail, the others go on
-            log.exception("a forward of %d requests failed", len(items))
-            for item in items:
-                if item.active in self._running:
-                    self._drop(item.active, exc)
-            return
+        if done.failed:
+            log.error("a forward of %d requests failed", len(done.failed), exc_info=done.error)
+            for active in done.failed:
+                if active in self._running:
+                    self._drop(active, done.error)
+            if not done.outputs:
+                return
         self.counters["steps"] += 1
-        self.batch_sizes[len(items)] += 1
-        for item in items:
-            if not item.decode:
-                item.active.prefilled += len(item.tokens)
-        for item, item_logits in plan.outputs(logits):
-            if item.decode:
-                going = self.decoding.verify(item.active, item.tokens, item_logits)
+        self.batch_sizes[done.items] += 1
+        for output in done.outputs:
+            active = output.active
+            if output.tokens is None:
+                going = self.decoding.choose(active, output.logits)
             else:
-                going = self.decoding.choose(item.active, item_logits)
+                before = active.decoded_rows
+                going = self.decoding.verify(active, output.tokens, output.logits)
+                if going:
+                    self.runner.settle(active, len(output.tokens), active.decoded_rows - before)
             if not going:
-                self._finish(item.active)
+                self._finish(active)
 
     def _finish(self, active: Running) -> None:
         if active in self._running:
             self._running.remove(active)
-        self.placer.release(active)
+        self.runner.release(active)
         self.counters["finished"] += 1
         active.handle._finish(active.result())

@@ -19,7 +19,7 @@ import torch
 
 from pckernels.engine.arena import KVArena
 from pckernels.engine.buffer import BufferCache
-from pckernels.engine.running import Running
+from pckernels.engine.running import ArenaRequest
 from pckernels.integration.adapters import ModelAdapter
 from pckernels.integration.attention import AttentionSpec
 
@@ -32,7 +32,7 @@ class StepItem:
     ``offset`` in the packed input; ``decode``: its pending token (and a draft), else a piece of
     its prompt (``last_of_prompt``: the piece that ends it)."""
 
-    active: Running
+    active: ArenaRequest
     tokens: list[int]
     positions: list[int]
     rows: list[int]
@@ -41,7 +41,8 @@ class StepItem:
     last_of_prompt: bool
 
 
-def plan_step(running: list[Running], step_tokens: int, drafts: Callable[[Running], list[int]]) -> list[StepItem]:
+def plan_step(running: list[ArenaRequest], step_tokens: int,
+              drafts: Callable[[ArenaRequest], list[int]]) -> list[StepItem]:
     """The items of the next step: decode items first, then prompt pieces within ``step_tokens``
     (a prompt with an explicit mask is read whole, in a step of its own size if it must)."""
     items: list[StepItem] = []

@@ -1,0 +1,101 @@
+"""The runner of attention-only models: one KV arena, module blocks placed once, packed steps.
+
+Every running request's keys and values live in rows of one
+:class:`~pckernels.engine.arena.KVArena`: module blocks once and shared, each request's own rows
+for its new and decoded tokens (:mod:`~pckernels.engine.placement`). A step packs every request's
+tokens into one forward with a per-request mask (:mod:`~pckernels.engine.step`); a rejected
+draft's rows need nothing undone, their positions hide them.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import torch
+
+from pckernels.engine.arena import KVArena
+from pckernels.engine.buffer import BufferCache
+from pckernels.engine.context import EngineContext
+from pckernels.engine.placement import Placer
+from pckernels.engine.request import Request, RequestHandle
+from pckernels.engine.runner import StepOutput, StepResult
+from pckernels.engine.running import ArenaRequest, own_rows
+from pckernels.engine.step import StepPlan, plan_step
+from pckernels.errors import RequestTooLargeError
+from pckernels.generation import TokenChoice
+from pckernels.prefix.base import BasePrefixCache
+
+
+class ArenaRunner:
+    """Runs the requests of an attention-only model in one arena of ``max_bytes`` (module docstring).
+    ``prefix()``: the engine's prefix cache. ``counters``: what placement and steps count (the
+    scheduler's counters too)."""
+
+    def __init__(self, ctx: EngineContext, prefix: Callable[[], BasePrefixCache], *, max_bytes: int) -> None:
+        self.ctx = ctx
+        self.counters: collections.Counter = collections.Counter()
+        self.arena = KVArena(ctx.layout, dtype=ctx.dtype, device=ctx.device, max_bytes=max_bytes)
+        self.cache = BufferCache(self.arena)
+        self.placer = Placer(ctx, self.arena, prefix, self.counters)
+        self.peak = {"rows": 0, "module_rows": 0, "private_module_rows": 0}
+        """KV rows in use at the busiest moment since the last ``reset_peak``: all referenced rows,
+        the rows of the distinct modules running requests share, and what private copies of those
+        modules per request would have taken."""
+
+    def too_large(self, request: Request) -> BaseException | None:
+        alone = own_rows(request) + sum(b.n_rows for b in (request.plan.blocks if request.plan else ()))
+        if alone > self.arena.max_rows:
+            return RequestTooLargeError(alone, self.arena.max_rows, self.arena.bytes_per_row)
+        return None
+
+    def fits(self, request: Request) -> bool:
+        return self.arena.referenced_rows() + self.placer.added_rows(request) <= self.arena.max_rows
+
+    def start(self, handle: RequestHandle, choice: TokenChoice) -> tuple[ArenaRequest, torch.Tensor | None]:
+        return self.placer.start(handle, choice)
+
+    def admitted(self, active: ArenaRequest) -> None:
+        """Note the arena's busiest moment (``peak``)."""
+        rows = self.arena.referenced_rows()
+        if rows > self.peak["rows"]:
+            shared = sum(len(b.rows) for b in self.arena.blocks.values() if b.refs > 0)
+            private = sum(len(b.rows) * b.refs for b in self.arena.blocks.values() if b.refs > 0)
+            self.peak = {"rows": rows, "module_rows": shared, "private_module_rows": private}
+
+    def step(self, running: list[ArenaRequest], step_tokens: int,
+             drafts: Callable[[ArenaRequest], list[int]]) -> StepResult | None:
+        items = plan_step(running, step_tokens, drafts)
+        if not items:
+            return None
+        try:
+            plan = StepPlan.build(items, self.arena, self.ctx.dtype, self.ctx.device)
+            logits = plan.run(self.ctx.adapter, self.cache)
+        except Exception as exc:  # the step's requests fail, the others go on
+            return StepResult(items=len(items), failed=[item.active for item in items], error=exc)
+        for item in items:
+            if not item.decode:
+                item.active.prefilled += len(item.tokens)
+        outputs = [StepOutput(item.active, item_logits, item.tokens if item.decode else None)
+                   for item, item_logits in plan.outputs(logits)]
+        return StepResult(outputs, len(items))
+
+    def settle(self, active: ArenaRequest, forwarded: int, consumed: int) -> None:
+        """Nothing to undo: a rejected draft's rows are after every query until overwritten."""
+
+    def release(self, active: ArenaRequest) -> None:
+        self.placer.release(active)
+
+    def reset_peak(self) -> None:
+        self.peak = {"rows": 0, "module_rows": 0, "private_module_rows": 0}
+
+    def stats(self) -> dict:
+        arena = self.arena
+        blocks = list(arena.blocks.values())
+        free = arena.allocator.free_rows
+        capacity = arena.capacity
+        idle = sum(len(b.rows) for b in blocks if b.refs == 0)
+        return {"arena": {"capacity_rows": capacity, "max_rows": arena.max_rows, "used_rows": capacity - free,
+                          "referenced_rows": capacity - free - idle, "bytes_per_row": arena.bytes_per_row,
+                          "bytes": capacity * arena.bytes_per_row, "resident_blocks": len(blocks),
+                          "shared_blocks": sum(1 for b in blocks if b.refs > 1), "growths": arena.growths}}
