@@ -164,7 +164,7 @@ def test_gemma3_module_longer_than_window(tokenizer):
     pc = prompt_cache("gemma3", tokenizer)
     schema = pc.schemas["guide"]
     assert max(len(m.token_ids) for m in schema.modules.values()) > 2 * WINDOW
-    assert not any(pc.scheduler.cache.is_sliding)
+    assert not any(pc.scheduler.runner.cache.is_sliding)
     windows = pc.adapter.attention_mask(causal_spec(torch.arange(3)))
     assert set(windows) == {"sliding_attention", "full_attention"}
 
