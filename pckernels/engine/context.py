@@ -49,16 +49,18 @@ class EngineContext:
 
     ``eos_ids``: ids that end a generation; ``max_positions``: positions the model takes
     (``None``: no limit); ``numerics``: what besides model and tokenizer decides a block's bits
-    (``PromptCache.numerics``); ``model_lock``: held by whoever runs the model.
+    (``PromptCache.numerics``); ``model_lock``: held by whoever runs the model. ``layout`` and
+    ``blocks`` are None for models with recurrent layers (no module reuse: a module's recurrent
+    state depends on everything before it).
     """
 
     adapter: ModelAdapter
     tokenizer: Any
-    layout: KVLayout
+    layout: KVLayout | None
     dtype: torch.dtype
     device: torch.device
     eos_ids: frozenset[int]
     max_positions: int | None
     numerics: str
     model_lock: threading.RLock
-    blocks: BlockSource
+    blocks: BlockSource | None

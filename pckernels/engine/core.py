@@ -23,7 +23,9 @@ from pckernels.engine.blocks import ModuleBlocks
 from pckernels.engine.context import EngineContext
 from pckernels.engine.deviation import DeviationScores
 from pckernels.engine.encoder import ModuleEncoder
-from pckernels.engine.loading import default_device, default_dtype, default_kv_budget, load_pretrained
+from pckernels.engine.hybrid import HybridRunner
+from pckernels.engine.loading import (default_device, default_dtype, default_kv_budget, load_pretrained,
+                                     recurrent_footprint)
 from pckernels.engine.namespaces import SchemaNamespaces
 from pckernels.engine.options import check_load_options, resolve_device, resolve_dtype
 from pckernels.engine.prefix_rows import EnginePrefixCache
@@ -32,12 +34,14 @@ from pckernels.engine.requests import RequestBuilder, deadline_at
 from pckernels.engine.scheduler import Scheduler
 from pckernels.engine.threads import close_at_exit, in_fresh_thread
 from pckernels.generation import GenerationResult, SamplingParams, TextStream, eos_token_ids
-from pckernels.integration.adapters import adapter_for
+from pckernels.errors import PMLError
+from pckernels.integration.adapters import ModelAdapter, adapter_for
 from pckernels.integration.identity import model_fingerprint
 from pckernels.integration.native import MATMULS
 from pckernels.integration.positions import KeyRotation
 from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
+from pckernels.prefix import PrefixCache
 from pckernels.program import ProgramCall
 from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir, parse_budgets
 from pckernels.store.remote import DEFAULT_NAMESPACE, parse_remote_url
@@ -116,10 +120,19 @@ class PromptCache:
 
         def setup():
             prepared = model.to(device=self.device, dtype=self.dtype).eval()
+            recurrent = recurrent_footprint(prepared)
+            if recurrent is not None:
+                if matmul != "fp32":
+                    raise ValueError(f"matmul={matmul!r} needs promptcache's native forward, which a model with "
+                                     "recurrent layers does not have")
+                return prepared, ModelAdapter(prepared, attach=False), None, recurrent, model_id or model_fingerprint(
+                    prepared, self.dtype)
             adapter = adapter_for(prepared, matmul=matmul)
-            return prepared, adapter, adapter.kv_layout(), model_id or model_fingerprint(prepared, self.dtype)
+            return prepared, adapter, adapter.kv_layout(), None, model_id or model_fingerprint(prepared, self.dtype)
 
-        self.model, self.adapter, self.layout, self.model_id = in_fresh_thread(setup)
+        self.model, self.adapter, self.layout, self.recurrent, self.model_id = in_fresh_thread(setup)
+        """``recurrent``: the cache footprint of a model with recurrent layers (hybrid or recurrent;
+        plain prompts only, exact prefix reuse), None for attention-only models."""
         self.max_positions = self.adapter.max_positions()
         self.matmul = matmul
         if prefix_block_size < 1:
@@ -129,28 +142,35 @@ class PromptCache:
         self.model_lock = threading.RLock()
         """Held by whoever runs the model: the scheduler's steps, encoding, deviation scoring."""
         self.eos_ids = eos_token_ids(model, tokenizer)
-        keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.numerics, self.name,
-                         layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
-                         dtype=self.dtype)
         run = lambda fn: self.scheduler.call(fn)  # noqa: E731  (the scheduler is made below)
-        self.encoder = ModuleEncoder(self.adapter, self.store, self.layout, dtype=self.dtype, device=self.device,
-                                     block_key=keys, lock=self.model_lock, run=run)
-        self.blocks = ModuleBlocks(self.adapter, self.store, self.encoder, keys, run)
+        self.encoder: ModuleEncoder | None = None
+        self.blocks: ModuleBlocks | None = None
+        self.namespaces: SchemaNamespaces | None = None
+        if self.recurrent is None:
+            keys = BlockKeys(self.model_id, fingerprint(tokenizer), self.numerics, self.name,
+                             layout=(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim),
+                             dtype=self.dtype)
+            self.encoder = ModuleEncoder(self.adapter, self.store, self.layout, dtype=self.dtype, device=self.device,
+                                         block_key=keys, lock=self.model_lock, run=run)
+            self.blocks = ModuleBlocks(self.adapter, self.store, self.encoder, keys, run)
+            self.namespaces = SchemaNamespaces(tokenizer, self.max_positions, self.encoder, self.blocks)
         self.context = EngineContext(self.adapter, tokenizer, self.layout, self.dtype, self.device,
                                      frozenset(self.eos_ids), self.max_positions, self.numerics, self.model_lock,
                                      self.blocks)
         """What the engine's rooms see of it (:class:`~pckernels.engine.context.EngineContext`)."""
-        self.namespaces = SchemaNamespaces(tokenizer, self.max_positions, self.encoder, self.blocks)
-        self.schemas: dict[str, Schema] = self.namespaces.default
+        self.schemas: dict[str, Schema] = self.namespaces.default if self.namespaces is not None else {}
         """Schemas of the default namespace (salt ``""``) by name."""
         self.deviation = DeviationScores(self.context)
-        self._prefix: EnginePrefixCache | None = None
+        self._prefix: PrefixCache | None = None
         self._prefix_lock = threading.Lock()
-        runner = ArenaRunner(self.context, lambda: self.prefix,
-                             max_bytes=default_kv_budget(self.device) if kv_bytes is None else kv_bytes)
+        max_bytes = default_kv_budget(self.device) if kv_bytes is None else kv_bytes
+        if self.recurrent is None:
+            runner = ArenaRunner(self.context, lambda: self.prefix, max_bytes=max_bytes)
+        else:
+            runner = HybridRunner(self.context, lambda: self.prefix, self.recurrent, max_bytes=max_bytes)
         self.scheduler = Scheduler(self.context, runner, max_queue=max_queue, max_batch=max_batch,
                                    step_tokens=step_tokens, lookahead=lookahead)
-        self._requests = RequestBuilder(tokenizer, self.max_positions, self.namespaces, self.blocks,
+        self._requests = RequestBuilder(tokenizer, self.max_positions, self._modules, self.blocks,
                                         lambda schema: self.scheduler.call(lambda: self.deviation.for_schema(schema)),
                                         lambda n: self.prefix.check_length(n))
         close_at_exit(self)
@@ -210,6 +230,23 @@ class PromptCache:
 
     # -- schemas ----------------------------------------------------------------------------------
 
+    def _modules(self) -> SchemaNamespaces:
+        """The schema namespaces; a ``PMLError`` (nothing changes) for a model with recurrent layers."""
+        if self.namespaces is None:
+            raise PMLError(self._no_modules())
+        return self.namespaces
+
+    def _module_blocks(self) -> ModuleBlocks:
+        if self.blocks is None:
+            raise PMLError(self._no_modules())
+        return self.blocks
+
+    def _no_modules(self) -> str:
+        kinds = ", ".join(sorted(set(self.recurrent.kinds)))
+        return (f"model type {self.model.config.model_type!r} has recurrent layers ({kinds}): PML modules cannot be "
+                "reused on it, since a module's recurrent state depends on everything before it; send plain prompts "
+                "(complete(), stream(), or the server's messages / prompt) for exact prefix reuse")
+
     def add_schema(self, text_or_path: str | os.PathLike, *, progress: bool = False, salt: str = "",
                    on_progress: Callable[[int, int], None] | None = None) -> Schema:
         """Parse a schema (PML text or a file path) and encode all of its modules and scaffolds.
@@ -225,48 +262,48 @@ class PromptCache:
 
     def parse_schema(self, text_or_path: str | os.PathLike, *, salt: str = "") -> Schema:
         """Parse (and lay out) a schema without encoding or adding it; ``PMLError`` on bad input."""
-        return self.namespaces.parse(text_or_path, salt=salt)
+        return self._modules().parse(text_or_path, salt=salt)
 
     def install_schema(self, schema: Schema, *, progress: bool = False,
                        on_progress: Callable[[int, int], None] | None = None) -> Schema:
         """Encode a parsed schema (:meth:`parse_schema`) and add it to its salt's namespace,
         replacing a schema of the same name there once encoded."""
-        return self.namespaces.install(schema, progress=progress, on_progress=on_progress)
+        return self._modules().install(schema, progress=progress, on_progress=on_progress)
 
     def remove_schema(self, name: str, *, salt: str = "") -> bool:
         """Forget a schema of a namespace (its blocks stay in the store until evicted); False when
         there was none. Requests already running keep it."""
-        return self.namespaces.remove(name, salt=salt)
+        return self._modules().remove(name, salt=salt)
 
     def schemas_for(self, salt: str = "", *, shared: bool = True) -> Mapping[str, Schema]:
         """The schemas a prompt resolved with ``salt`` sees: its namespace's, then (``shared``)
         the default namespace's for names it does not define. A snapshot."""
-        return self.namespaces.schemas_for(salt, shared=shared)
+        return self._modules().schemas_for(salt, shared=shared)
 
     def warm_schema(self, schema: Schema) -> int:
         """Start background reads of the installed ``schema``'s blocks that only the remote tier holds
         (another process of the fleet encoded them), into the host tier while it has room; returns
         how many. The server does this after installing a schema; a library caller about to query
         at once need not (the reads compete with the query's own)."""
-        return self.namespaces.warm(schema)
+        return self._modules().warm(schema)
 
     def block_key(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> BlockKey:
         """The store key of ``module``'s block in ``schema`` (:meth:`ModuleBlocks.block_key`)."""
-        return self.blocks.block_key(schema, module, scaffold, geometry)
+        return self._module_blocks().block_key(schema, module, scaffold, geometry)
 
     def fetch_block(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> torch.Tensor:
         """A module's block ``[L, 2, H, n, D]`` from the store, encoded again if no tier holds it
         (call with the model lock held)."""
-        return self.blocks.fetch_block(schema, module, scaffold, geometry)
+        return self._module_blocks().fetch_block(schema, module, scaffold, geometry)
 
     def block_positions(self, schema: Schema, module: str, scaffold: str = "", geometry: str = "schema") -> torch.Tensor:
         """Positions ``[n]`` (device) the block of ``module`` was encoded at."""
-        return self.blocks.block_positions(schema, module, scaffold, geometry)
+        return self._module_blocks().block_positions(schema, module, scaffold, geometry)
 
     def key_rotation(self) -> KeyRotation:
         """How this model's cached keys move with their position (probed once, on the scheduler
         thread; :mod:`pckernels.integration.positions`)."""
-        return self.blocks.key_rotation()
+        return self._module_blocks().key_rotation()
 
     def stats(self) -> dict:
         """The block store's counters: hits, entries, bytes, budget and evictions per tier (device,
@@ -280,17 +317,22 @@ class PromptCache:
         return out
 
     @property
-    def prefix(self):
-        """The exact prefix cache plain prompts are answered with, made on first use: a
+    def prefix(self) -> PrefixCache:
+        """The exact prefix cache plain prompts are answered with, made on first use: an
         :class:`~pckernels.engine.prefix_rows.EnginePrefixCache` (the engine's forward, prompts read
-        straight into arena rows); full blocks it evicts spill into this engine's block store
-        (``docs/prefix.md``). Its ``complete``/``prefill`` called directly run alone on the
-        scheduler thread; :meth:`complete` is the batched way."""
+        straight into arena rows) for attention-only models, a :class:`~pckernels.prefix.PrefixCache`
+        (transformers caches with recurrent snapshots) for models with recurrent layers; full blocks
+        it evicts spill into this engine's block store (``docs/prefix.md``). Its
+        ``complete``/``prefill`` called directly run alone on the scheduler thread; :meth:`complete`
+        is the batched way."""
         with self._prefix_lock:
             if self._prefix is None:
-                self._prefix = self.scheduler.call(lambda: EnginePrefixCache(
-                    self.context, block_size=self.prefix_block_size, spill=self.store, spill_model_id=self.model_id,
-                    run=self.scheduler.call))
+                options = dict(block_size=self.prefix_block_size, spill=self.store, spill_model_id=self.model_id)
+                if self.recurrent is None:
+                    make = lambda: EnginePrefixCache(self.context, run=self.scheduler.call, **options)  # noqa: E731
+                else:
+                    make = lambda: PrefixCache(self.model, self.tokenizer, **options)  # noqa: E731
+                self._prefix = self.scheduler.call(make)
             return self._prefix
 
     # -- requests ---------------------------------------------------------------------------------
@@ -298,7 +340,7 @@ class PromptCache:
     def resolve(self, prompt: str | ResolvedPrompt | ProgramCall, *, salt: str = "") -> ResolvedPrompt:
         """Parse a PML prompt against the schemas of ``salt``'s namespace (:meth:`schemas_for`); a
         prompt program's call (``pckernels.program``) against its own schema, installed on first use."""
-        return self.namespaces.resolve(prompt, salt=salt)
+        return self._modules().resolve(prompt, salt=salt)
 
     def request(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
                 temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
@@ -394,6 +436,8 @@ class PromptCache:
         request copies them from the store again); returns how many. Placement, and so rounding,
         then starts from a clean arena: a prompt answered right after this gives bitwise the same
         result every time."""
+        if self.scheduler.arena is None:
+            return 0
         with self.model_lock:
             return self.scheduler.arena.drop_idle()
 

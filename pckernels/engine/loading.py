@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 
+from pckernels.errors import UnsupportedModelError
 from pckernels.integration.adapters import adapter_for
 from pckernels.integration.identity import model_fingerprint, weight_files
+from pckernels.prefix.states import CacheFootprint, UnsupportedCacheError, probe_footprint
 from pckernels.store.tiered import default_device_budget
 
 log = logging.getLogger(__name__)
@@ -39,10 +41,29 @@ def default_kv_budget(device: torch.device) -> int:
     return default_device_budget(device) if device.type == "cuda" else DEFAULT_CPU_KV_BUDGET
 
 
+def recurrent_footprint(model: torch.nn.Module) -> CacheFootprint | None:
+    """None when promptcache drives ``model`` with an adapter (attention-only: module and prefix
+    reuse); its cache footprint when it has recurrent layers (hybrid or recurrent: exact prefix
+    reuse, no modules); ``UnsupportedModelError`` naming both reasons otherwise. Runs a probe
+    forward: call it where model work may run (a fresh thread or the model's)."""
+    try:
+        adapter_for(model, attach=False)
+        return None
+    except UnsupportedModelError as exc:
+        refusal = exc
+    try:
+        footprint = probe_footprint(model)
+    except UnsupportedCacheError as exc:
+        raise UnsupportedModelError(f"{refusal}; and its cache cannot be restored exactly: {exc}") from None
+    if not footprint.recurrent:
+        raise refusal
+    return footprint
+
+
 def load_pretrained(name_or_path: str, dtype: torch.dtype) -> tuple[object, torch.nn.Module, str, str | None]:
     """``(tokenizer, model, name, model_id)`` of ``name_or_path`` in ``dtype``; ``model_id`` is None
     when the weight files cannot be found (the engine then hashes the loaded tensors). Raises
-    ``UnsupportedModelError`` for a family promptcache cannot drive."""
+    ``UnsupportedModelError`` for a model promptcache cannot serve (:func:`recurrent_footprint`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path == "smollm2":
@@ -57,7 +78,7 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype) -> tuple[object, torc
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
         name = str(name_or_path)
         files = local_weight_files(str(name_or_path))
-    adapter_for(model, attach=False)
+    recurrent_footprint(model)
     return tokenizer, model, name, model_fingerprint(model, dtype, files) if files else None
 
 

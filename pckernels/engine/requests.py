@@ -38,12 +38,14 @@ def deadline_at(seconds: float | None) -> float | None:
 
 
 class RequestBuilder:
-    """Builds requests for one engine (module docstring). ``scores(schema)``: its deviation scores
+    """Builds requests for one engine (module docstring). ``namespaces()``: its schemas (raises a
+    ``PMLError`` on a model that cannot reuse modules); ``scores(schema)``: its deviation scores
     (the ``deviation`` recompute policy); ``check_length(n)``: raises when a plain prompt of ``n``
     tokens leaves no position to generate at."""
 
-    def __init__(self, tokenizer: Any, max_positions: int | None, namespaces: SchemaNamespaces,
-                 blocks: ModuleBlocks, scores: Callable[[Schema], dict], check_length: Callable[[int], None]) -> None:
+    def __init__(self, tokenizer: Any, max_positions: int | None, namespaces: Callable[[], SchemaNamespaces],
+                 blocks: ModuleBlocks | None, scores: Callable[[Schema], dict],
+                 check_length: Callable[[int], None]) -> None:
         self.tokenizer = tokenizer
         self.max_positions = max_positions
         self.namespaces = namespaces
@@ -57,7 +59,7 @@ class RequestBuilder:
         """A PML prompt (or a program's call) resolved with ``salt`` and planned for ``mode``."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-        resolved = self.namespaces.resolve(prompt, salt=salt)
+        resolved = self.namespaces().resolve(prompt, salt=salt)
         check_answerable(resolved, baseline=mode == "baseline")
         if resolved.placement == "compact" and mode != "baseline":
             self.blocks.check_movable(resolved.locations.get(ROOT, (None, None)), "the prompt is placed compactly",

@@ -16,6 +16,7 @@ unsupported, so the caller can refuse reuse instead of restoring something appro
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from transformers import cache_utils
@@ -139,3 +140,43 @@ class CacheStates:
                         cache.update_conv_state(conv, layer_idx, state_idx=idx)
                     if rec is not None:
                         cache.update_recurrent_state(rec, layer_idx, state_idx=idx)
+
+
+@dataclass(frozen=True)
+class CacheFootprint:
+    """What a model's cache holds per request: layer ``kinds``, key/value bytes per token (all
+    attention layers together) and the bytes of the fixed-size recurrent/convolution states."""
+
+    kinds: tuple[str, ...]
+    kv_bytes_per_token: int
+    state_bytes: int
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer carries a running state (a hybrid or recurrent model)."""
+        return any(kind in (LINEAR, HYBRID) for kind in self.kinds)
+
+
+PROBE_TOKENS = 2
+
+
+def probe_footprint(model) -> CacheFootprint:
+    """Read ``model``'s cache layout off a :data:`PROBE_TOKENS`-token forward into a transformers
+    ``DynamicCache``; raises :class:`UnsupportedCacheError` for layer kinds that cannot be restored
+    exactly."""
+    states = CacheStates(model)
+    device = next(model.parameters()).device
+    cache = states.new_cache()
+    ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=torch.arange(PROBE_TOKENS, device=device)[None], use_cache=True,
+              logits_to_keep=1, **{states.cache_argument: cache})
+    kinds = states.inspect(cache)
+    if any(kind in (KV, HYBRID) and getattr(layer, "keys", None) is None for layer, kind in zip(cache.layers, kinds)):
+        raise UnsupportedCacheError("the model keeps its states outside the transformers cache it was given")
+    kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+             for pair in states.kv_slice(cache, 0, PROBE_TOKENS) if pair is not None for k, v in [pair])
+    snapshot = states.recurrent_snapshot(cache)
+    state = sum(t.numel() * t.element_size() for layer in snapshot if layer for pair in layer for t in pair
+                if t is not None)
+    return CacheFootprint(tuple(kinds), kv // PROBE_TOKENS, state)
