@@ -174,18 +174,71 @@ def test_a_spilled_file_holding_another_tensor_is_discarded(tokenizer, llama, tm
     assert not path.exists()
 
 
-@pytest.mark.parametrize("model_type", ["lfm2", "qwen3_next"])
-def test_hybrid_models_do_not_spill(tokenizer, model_type):
-    store = TieredStore()
+@pytest.mark.parametrize("model_type", ["lfm2", "qwen3_next", "falcon_h1", "mamba2"])
+def test_hybrid_blocks_spill_with_their_states_and_survive_a_restart(tokenizer, model_type, tmp_path):
+    """A hybrid (or pure SSM) model's evicted blocks go to the store packed with their recurrent
+    snapshots, come back bitwise — in memory and from disk after a restart — and a packed block
+    that does not fit the model (another layout) is refused and the prefix recomputed exactly."""
+    from pckernels.prefix.testing import TINY_CONFIGS
+
+    assert model_type in TINY_CONFIGS
+    store = TieredStore(disk_dir=tmp_path)
     cache = PrefixCache(tiny_model(model_type, len(tokenizer)), tokenizer, block_size=BLOCK, budget_bytes=0,
                         spill=store)
-    assert cache.reuse_supported and cache.spill is None
+    if not cache.reuse_supported:
+        pytest.skip(f"{model_type}: reuse refused with this transformers version: {cache.refusal}")
+    assert cache.spill is not None and cache.spill.kinds is not None
     run_pair(cache, TEXT)
     _, again = run_pair(cache, TEXT)
+    expected = resumable_tokens(tokenizer, TEXT)
     stats = cache.stats()
-    assert again.cached_tokens == 0 and stats["evictions"] > 0
-    assert not stats["spill"] and stats["spilled_blocks"] == stats["restored_blocks"] == 0
-    assert len(store) == 0 and store.stats()["misses"] == 0
+    assert again.cached_tokens == expected > 0 and stats["restored_blocks"] == expected // BLOCK
+    assert stats["spilled_blocks"] == len(tokenizer(TEXT)["input_ids"]) // BLOCK
+    store.close()
+    files = list_blocks(tmp_path)
+    assert files and {f["schema"] for f in files} == {SPILL_SCHEMA}
+
+    restarted = PrefixCache(tiny_model(model_type, len(tokenizer)), tokenizer, block_size=BLOCK,
+                            spill=TieredStore(disk_dir=tmp_path))
+    _, resumed = run_pair(restarted, TEXT)
+    assert resumed.cached_tokens == expected and restarted.stats()["restored_blocks"] == expected // BLOCK
+
+    other = "lfm2" if model_type != "lfm2" else "qwen3_next"
+    foreign = PrefixCache(tiny_model(other, len(tokenizer)), tokenizer, block_size=BLOCK,
+                          spill=TieredStore(disk_dir=tmp_path))
+    _, unrelated = run_pair(foreign, TEXT)
+    assert unrelated.cached_tokens == 0 and foreign.stats()["restored_blocks"] == 0
+
+
+def test_a_packed_block_that_does_not_fit_is_refused(tokenizer):
+    """A packed hybrid block whose parts do not fit the model (damaged, or another layout) is never
+    restored: the spill reports a miss and the prefix is computed."""
+    import logging
+
+    from pckernels.prefix.packing import pack, unpack
+
+    cache = PrefixCache(tiny_model("qwen3_next", len(tokenizer)), tokenizer, block_size=BLOCK, spill=TieredStore())
+    ids = tokenizer(TEXT)["input_ids"]
+    cache.prefill(ids)
+    stored = cache.match(ids + [5])
+    first = stored.chain[0]
+    blob = pack(first.kv, first.states, torch.device("cpu"))
+    kv, states = unpack(blob, cache.states.kinds, BLOCK, torch.device("cpu"))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(kv, first.kv) if a is not None)
+    for bad, kinds, tokens in ((blob[:-3], cache.states.kinds, BLOCK), (blob, cache.states.kinds, BLOCK - 1),
+                               (blob, ["kv"] * len(cache.states.kinds), BLOCK), (blob[:5], cache.states.kinds, BLOCK)):
+        with pytest.raises(ValueError):
+            unpack(bad, kinds, tokens, torch.device("cpu"))
+    cache.release(stored.held)
+    spill = cache.spill
+    key = spill.key(first.key, 0, BLOCK)
+    spill.store.put(key, blob[:-3])
+    logger = logging.getLogger("pckernels.prefix.spill")
+    logger.disabled = True
+    try:
+        assert spill.get(first.key, None, 0, BLOCK) is None
+    finally:
+        logger.disabled = False
 
 
 def test_clear_does_not_spill(tokenizer, llama):

@@ -32,7 +32,7 @@ from pckernels.prefix.check import self_check
 from pckernels.prefix.prompts import Prompt, encode_prompt
 from pckernels.prefix.reading import Reading
 from pckernels.prefix.spill import BlockSpill
-from pckernels.prefix.states import KV, CacheStates
+from pckernels.prefix.states import CacheStates
 from pckernels.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -69,9 +69,8 @@ class PrefixCache(BasePrefixCache):
     budget (as ``[L, 2, H, block_size, D]`` blocks) and gives them back when a later prompt needs
     them; with a disk tier they survive a restart. ``spill_model_id``: the model's identity in
     the store's keys (``model_fingerprint``; computed when omitted). Prompt ends are never
-    spilled, and nothing is when the model has recurrent or convolution layers (their
-    snapshots do not fit that layout): those entries are dropped on eviction. ``clear`` drops
-    without spilling.
+    spilled; a block of a model with recurrent layers goes with its recurrent snapshot, packed
+    (``pckernels.prefix.packing``). ``clear`` drops without spilling.
 
     ``max_positions``: the positions the model takes (``None``: no limit); prompts must leave one
     to generate at.
@@ -125,16 +124,13 @@ class PrefixCache(BasePrefixCache):
         """The spill target for ``store``, or ``None`` when there is none or this model cannot use one."""
         if store is None or self.refusal is not None:
             return None
-        if any(kind != KV for kind in self.states.kinds):
-            log.info("%s has cache layers without growing keys/values; evicted prefix blocks are dropped, "
-                     "not spilled to the store", type(self.model).__name__)
-            return None
         dtype = next(self.model.parameters()).dtype
         if model_id is None:
             model_id = model_fingerprint(self.model, dtype)
         name = getattr(self.model.config, "_name_or_path", "") or self.model.config.model_type
         return BlockSpill(store, model_id=model_id, device=self.device, kv_dtype=dtype,
-                          num_layers=len(self.states.kinds), model_name=name, numerics=self._spill_numerics())
+                          num_layers=len(self.states.kinds), model_name=name, numerics=self._spill_numerics(),
+                          kinds=self.states.kinds)
 
     def _spill_evicted(self, entry: CachedEntry) -> None:
         """Eviction hook: write a full block to the spill store (prompt ends are dropped)."""

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-"""Stored dtype names (safetensors' spelling) and their torch dtypes."""
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
+"""Stored dtype names (safetensors' spelling) and their torch dtypes (``U8``: packed blocks of models
+with recurrent layers, ``pckernels.prefix.packing``)."""
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
