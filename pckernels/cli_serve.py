@@ -65,6 +65,8 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
           prefix_block: int = typer.Option(256, min=1, help="Tokens per block of plain prompts' exact prefix reuse."),
           lookahead: int = typer.Option(0, min=0, help="Draft tokens a greedy request's decode step verifies besides "
                                                        "its own (prompt lookup from its context; 0: none)."),
+          allow_no_reuse: bool = typer.Option(False, help="Serve even when the model fails the prefix cache's "
+                                                          "self-check (every prompt then computed in full)."),
           log_level: str = typer.Option("info", help="debug, info, warning, error.")) -> None:
     """Serve the OpenAI API (chat, completions, models) plus PML schemas, tenants and /metrics."""
     import uvicorn
@@ -107,6 +109,11 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
                          disk_budget=disk_budget, kv_budget=kv_budget, max_queue=max_queue, max_batch=max_batch,
                          remote=remote, remote_namespace=remote_namespace, matmul=matmul,
                          prefix_block_size=prefix_block, lookahead=lookahead)
+    refusal = engine.prefix.refusal
+    if refusal is not None and not allow_no_reuse:
+        engine.close()
+        fail(f"exact prefix reuse fails its self-check on this model ({refusal}); "
+             "serve it anyway with --allow-no-reuse (prompts computed in full)")
     try:
         app = create_app(engine, tenants=tenants, model_name=served_model_name or model, schemas_dir=schemas,
                          request_timeout=request_timeout or None, default_max_tokens=max_tokens)
