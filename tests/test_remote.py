@@ -465,3 +465,29 @@ def test_the_remote_benchmark_runs(tmp_path):
     assert modes["remote"]["encodes"] == 0 and modes["encode"]["encodes"] > 0
     assert modes["remote"]["bytes_per_cached_token"] > 0
     assert "faster" in (out / "summary.md").read_text()
+
+
+def _hybrid_answers(url, salt, store_dir=None):
+    from pckernels.prefix.testing import tiny_model, tiny_tokenizer
+
+    byte_tokenizer = tiny_tokenizer()
+    pc = PromptCache(tiny_model("qwen3_next", len(byte_tokenizer)), byte_tokenizer, remote=url, store_dir=store_dir,
+                     prefix_block_size=32)
+    out = [_summary(pc.submit(pc.complete_request(LONG_PLAIN + f" Question {i}?", max_new_tokens=NEW_TOKENS,
+                                                  salt=salt)).result()) for i in range(2)]
+    assert pc.store.flush(30)
+    stats = pc.stats()
+    pc.close()
+    return out, stats
+
+
+def test_a_hybrid_models_prefix_blocks_cross_the_fleet_with_their_states(redis_server, tmp_path):
+    """A hybrid model's prefix blocks (keys, values and recurrent snapshots, packed) published by one
+    process restore exactly in a fresh one, per tenant salt only."""
+    first, first_stats = in_child(_hybrid_answers, redis_server.url, "tenant-a")
+    assert first_stats["remote"]["writes"] > 0
+    second, stats = in_child(_hybrid_answers, redis_server.url, "tenant-a", tmp_path)
+    assert stats["prefix"]["restored_tokens"] >= 1024 and stats["remote"]["discarded"] == 0
+    assert second == first
+    other, other_stats = in_child(_hybrid_answers, redis_server.url, "tenant-b")
+    assert other_stats["prefix"]["restored_tokens"] == 0 and other == first
