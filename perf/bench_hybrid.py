@@ -1,0 +1,262 @@
+"""Exact prefix reuse on hybrid (attention + recurrent) models, measured as the seed's table is.
+
+``python -m perf.bench_hybrid [--families lfm2 qwen3_next] [--lengths 8192 16384 32768] [--block 256]
+[--chunks 128 256 512 1024] [--clients 8] [--turns 4] [--decode-tokens 32] [--out DIR]``
+
+Random models big enough to matter (no hub here): an **LFM2-style** model (12 layers: two
+short-convolution layers then one attention layer, repeated; hidden 512) and a **Qwen3-Next-style**
+one (12 layers: three gated-delta-net layers then one attention layer; hidden 512, 8 experts), on
+the byte-level ChatML tokenizer (one token per byte of text). Everything runs through the engine
+(``PromptCache.complete``), one process, 2 threads unless ``--threads``:
+
+* **time to first token** of a document prompt of each length: reuse off; first pass with reuse on
+  (it stores the blocks); the exact repeat; the same document with a new question; a middle
+  edit, first request and repeated; the chat's second turn (the answer and a new question);
+* **decode** tokens/s with reuse off and on (the same requests, interleaved);
+* **cold read per chunk size**: reuse off at the first length, for each ``--chunks`` block size
+  (the cost of reading in fixed chunks so that reuse resumes exactly);
+* **server**: ``promptcache serve`` on the model, ``--clients`` clients each holding a
+  ``--turns``-turn chat over its own document, requests/s with reuse on vs ``"cache": false``.
+
+Every answer with reuse on is compared with the same request with reuse off (token ids, and first
+logits bitwise in the engine; text through the server): the ``exact`` column. Writes
+``hybrid.json`` and ``summary.md`` under ``--out`` (default ``perf/results/<machine>/hybrid``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from pckernels.engine import PromptCache
+from pckernels.prefix.testing import tiny_tokenizer
+
+COMMON = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=65536)
+FAMILIES = {
+    "lfm2": dict(layer_types=["conv", "conv", "full_attention"] * 4, block_ff_dim=1536),
+    "qwen3_next": dict(layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 3, linear_num_value_heads=8,
+                       linear_num_key_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=384, shared_expert_intermediate_size=384),
+}
+WORDS = ("river", "bridge", "harbour", "tide", "lantern", "orchard", "market", "ledger", "furnace", "quarry")
+
+
+def build(family: str, vocab: int) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, vocab_size=vocab, **{**COMMON, **FAMILIES[family]})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def document(length: int, seed: int = 0) -> str:
+    parts, i = [], 0
+    while sum(len(p) + 1 for p in parts) < length:
+        parts.append(f"{WORDS[(i + seed) % 10]} {i * 37 % 1009} {WORDS[(i * 3 + seed) % 10]}.")
+        i += 1
+    return " ".join(parts)[:length]
+
+
+def chat(doc: str, *turns: str) -> list[dict]:
+    messages = [{"role": "system", "content": doc}]
+    for index, text in enumerate(turns):
+        messages.append({"role": "user" if index % 2 == 0 else "assistant", "content": text})
+    return messages
+
+
+def same(a, b) -> bool:
+    return a.token_ids == b.token_ids and torch.equal(a.first_logits, b.first_logits)
+
+
+def ttft_table(engine: PromptCache, length: int, decode_tokens: int) -> dict:
+    """The seed's rows for one prompt length (module docstring)."""
+    doc = document(length)
+    middle = len(doc) // 2
+    edited = doc[:middle] + "EDITED" + doc[middle + 6:]
+    first = chat(doc, "Which ledger comes after the quarry?")
+    cases = {
+        "first pass": first, "repeat": first, "new question": chat(doc, "Name the first river."),
+        "middle edit": chat(edited, "Which ledger comes after the quarry?"),
+        "edit repeated": chat(edited, "Name the first river."),
+    }
+    row: dict = {"prompt_tokens": None, "cases": {}}
+    answer = None
+    for name, messages in cases.items():
+        off = engine.complete(messages, max_new_tokens=2, reuse=False)
+        on = engine.complete(messages, max_new_tokens=2)
+        row["prompt_tokens"] = row["prompt_tokens"] or len(on.prompt_token_ids)
+        row["cases"][name] = {"off_s": off.ttft_s, "on_s": on.ttft_s, "cached": on.cached_tokens,
+                              "exact": same(on, off)}
+        if name == "first pass":
+            answer = engine.tokenizer.decode(on.token_ids, skip_special_tokens=True) or "ok"
+    turn = chat(doc, "Which ledger comes after the quarry?", answer, "And the one after that?")
+    off = engine.complete(turn, max_new_tokens=2, reuse=False)
+    on = engine.complete(turn, max_new_tokens=2)
+    row["cases"]["second turn"] = {"off_s": off.ttft_s, "on_s": on.ttft_s, "cached": on.cached_tokens,
+                                   "exact": same(on, off)}
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    decoded = {}
+    for _ in range(2):
+        for mode in ("off", "on"):
+            result = engine.complete(first, max_new_tokens=decode_tokens, reuse=mode == "on")
+            decoded[mode] = result
+            if len(result.token_ids) > 1:
+                rates[mode].append((len(result.token_ids) - 1) / max(result.total_s - result.ttft_s, 1e-9))
+    row["decode"] = {mode: max(r) if r else None for mode, r in rates.items()}
+    row["decode"]["tokens"] = len(decoded["on"].token_ids)
+    row["decode"]["exact"] = decoded["on"].token_ids == decoded["off"].token_ids
+    return row
+
+
+def chunk_costs(model, tokenizer, length: int, chunks: list[int]) -> dict:
+    """Cold read (reuse off) TTFT of one prompt per chunk (= block) size."""
+    out = {}
+    messages = chat(document(length), "Which ledger comes after the quarry?")
+    for chunk in chunks:
+        engine = PromptCache(model, tokenizer, prefix_block_size=chunk, kv_budget="16GiB")
+        engine.complete(messages[:1] + [{"role": "user", "content": "warm"}], max_new_tokens=1, reuse=False)
+        out[chunk] = min(engine.complete(messages, max_new_tokens=1, reuse=False).ttft_s for _ in range(1))
+        engine.close()
+    return out
+
+
+def server_rates(model, tokenizer, clients: int, turns: int, length: int, block: int) -> dict:
+    """Requests/s of ``clients`` chat clients (``turns`` turns each) against one server, reuse on and off."""
+    import signal
+
+    import openai
+
+    from perf.server_load import start_server
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        proc, url = start_server(tmp, ["--prefix-block", str(block), "--served-model-name", "hybrid"])
+        try:
+            out = {}
+            for mode in ("off", "on", "off", "on"):
+                def talk(index: int) -> list[str]:
+                    client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
+                    history = chat(document(length, seed=index + 1), "Which ledger comes after the quarry?")
+                    answers = []
+                    for turn in range(turns):
+                        reply = client.chat.completions.create(model="hybrid", messages=history, max_tokens=8,
+                                                               temperature=0, extra_body={"cache": mode == "on"})
+                        text = reply.choices[0].message.content
+                        answers.append(text)
+                        history = history + [{"role": "assistant", "content": text},
+                                             {"role": "user", "content": f"And then (turn {turn + 2})?"}]
+                    return answers
+
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(clients) as pool:
+                    answers = list(pool.map(talk, range(clients)))
+                seconds = time.perf_counter() - t0
+                rate = clients * turns / seconds
+                best = out.get(mode)
+                if best is None or rate > best["requests_per_s"]:
+                    out[mode] = {"requests_per_s": rate, "seconds": seconds, "answers": answers}
+            out["exact"] = out["on"]["answers"] == out["off"]["answers"]
+            for mode in ("on", "off"):
+                out[mode].pop("answers")
+            return out
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+
+
+def summary(results: dict) -> str:
+    lines = [f"# Hybrid models: exact prefix reuse ({results['machine']}, {results['threads']} threads)", ""]
+    for family, data in results["families"].items():
+        lines += [f"## {family} ({data['params_m']:.0f}M parameters, {data['layers']})", "",
+                  "| prompt | case | reuse off | reuse on | cached tokens | speed-up | exact |",
+                  "|---|---|---:|---:|---:|---:|---|"]
+        for length, row in data["lengths"].items():
+            for name, case in row["cases"].items():
+                lines.append(f"| {row['prompt_tokens']} | {name} | {case['off_s']:.2f} s | {case['on_s'] * 1e3:.0f} ms | "
+                             f"{case['cached']} | {case['off_s'] / max(case['on_s'], 1e-9):.1f}x | "
+                             f"{'yes' if case['exact'] else 'NO'} |")
+        lines += ["", "| prompt | decode off (tok/s) | decode on (tok/s) | on / off | tokens | exact |",
+                  "|---|---:|---:|---:|---:|---|"]
+        for length, row in data["lengths"].items():
+            d = row["decode"]
+            ratio = d["on"] / d["off"] if d["on"] and d["off"] else float("nan")
+            lines.append(f"| {row['prompt_tokens']} | {d['off'] or 0:.1f} | {d['on'] or 0:.1f} | {ratio:.3f} | "
+                         f"{d['tokens']} | {'yes' if d['exact'] else 'NO'} |")
+        if data.get("chunks"):
+            lines += ["", f"Cold read of {data['chunk_tokens']} tokens by chunk size: " + ", ".join(
+                f"{size}: {seconds:.2f} s" for size, seconds in data["chunks"].items())]
+        if data.get("server"):
+            s = data["server"]
+            lines += ["", f"Server, {s['clients']} clients x {s['turns']}-turn chats over {s['tokens']}-token "
+                          f"documents: reuse off {s['off']['requests_per_s']:.2f} req/s, reuse on "
+                          f"{s['on']['requests_per_s']:.2f} req/s "
+                          f"({s['on']['requests_per_s'] / s['off']['requests_per_s']:.1f}x); same answers: "
+                          f"{'yes' if s['exact'] else 'NO'}"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m perf.bench_hybrid", description=__doc__.splitlines()[0])
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    ap.add_argument("--lengths", nargs="+", type=int, default=[8192, 16384, 32768])
+    ap.add_argument("--block", type=int, default=256)
+    ap.add_argument("--chunks", nargs="*", type=int, default=[128, 256, 512, 1024])
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--server-tokens", type=int, default=2048)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from perf.suite.runner import machine_name
+
+    out_dir = args.out or Path(__file__).resolve().parent / "results" / machine_name() / "hybrid"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    results = {"machine": machine_name(), "threads": args.threads, "block": args.block, "families": {}}
+    with Progress() as progress:
+        task = progress.add_task("hybrid", total=len(args.families) * (len(args.lengths) + 2))
+        for family in args.families:
+            model = build(family, len(tokenizer))
+            layers = ", ".join(f"{n} {t}" for t, n in sorted({t: model.config.layer_types.count(t)
+                                                               for t in model.config.layer_types}.items()))
+            data = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6, "layers": layers, "lengths": {}}
+            engine = PromptCache(model, tokenizer, prefix_block_size=args.block, kv_budget="16GiB")
+            engine.complete(chat(document(2 * args.block), "warm up"), max_new_tokens=2, reuse=False)
+            for length in args.lengths:
+                progress.update(task, description=f"{family} {length}")
+                data["lengths"][length] = ttft_table(engine, length, args.decode_tokens)
+                progress.advance(task)
+                (out_dir / "hybrid.json").write_text(json.dumps(results | {"partial": family}, indent=1))
+            engine.close()
+            if args.chunks:
+                progress.update(task, description=f"{family} chunk sizes")
+                data["chunk_tokens"] = args.lengths[0]
+                data["chunks"] = chunk_costs(model, tokenizer, args.lengths[0], args.chunks)
+            progress.advance(task)
+            if args.clients:
+                progress.update(task, description=f"{family} server")
+                data["server"] = {"clients": args.clients, "turns": args.turns, "tokens": args.server_tokens,
+                                  **server_rates(model, tokenizer, args.clients, args.turns, args.server_tokens,
+                                                 args.block)}
+            progress.advance(task)
+            results["families"][family] = data
+            (out_dir / "hybrid.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "summary.md").write_text(summary(results))
+    print(summary(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
