@@ -63,6 +63,9 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
           matmul: str = typer.Option("fp32", help="CPU matmul precision: fp32, or bf16 (oneDNN over packed bf16 "
                                                  "weights; faster, changes numerics: docs/perf.md)."),
           prefix_block: int = typer.Option(256, min=1, help="Tokens per block of plain prompts' exact prefix reuse."),
+          prefix_resume: str = typer.Option("block", help="Where a plain prompt's hit resumes: block (bitwise "
+                                                          "equal to no reuse) or token (from the first new token; "
+                                                          "equal to rounding; attention-only models)."),
           lookahead: int = typer.Option(0, min=0, help="Draft tokens a greedy request's decode step verifies besides "
                                                        "its own (prompt lookup from its context; 0: none)."),
           allow_no_reuse: bool = typer.Option(False, help="Serve even when the model fails the prefix cache's "
@@ -103,12 +106,14 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
     check_model_options(model, device, dtype)
     if matmul not in ("fp32", "bf16"):
         fail(f"unknown --matmul {matmul!r}: expected fp32 or bf16")
+    if prefix_resume not in ("block", "token"):
+        fail(f"unknown --prefix-resume {prefix_resume!r}: expected block or token")
     store = False if memory_only else (store_dir or default_store_dir())
     tenants = Tenants(keys, server_secret(None if store is False else store))
     engine = load_engine(model, device, dtype, store_dir=store, device_budget=device_budget, host_budget=host_budget,
                          disk_budget=disk_budget, kv_budget=kv_budget, max_queue=max_queue, max_batch=max_batch,
                          remote=remote, remote_namespace=remote_namespace, matmul=matmul,
-                         prefix_block_size=prefix_block, lookahead=lookahead)
+                         prefix_block_size=prefix_block, lookahead=lookahead, prefix_resume=prefix_resume)
     refusal = engine.prefix.refusal
     if refusal is not None and not allow_no_reuse:
         engine.close()

@@ -126,3 +126,38 @@ def test_engine_blocks_are_not_a_standalone_prefix_cache_s(tokenizer):  # noqa: 
     """Chains are rooted in the engine's numerics: another forward's blocks never match."""
     native, hf = engine(tokenizer), engine(tokenizer, native=False)
     assert native.prefix._root != hf.prefix._root
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_token_granular_resumption_starts_at_the_first_new_token(tokenizer, native):  # noqa: F811
+    """prefix_resume="token": a new question after a cached document whose length is no multiple
+    of the block resumes after the document's last token (inside the stored prompt end), equals
+    reuse off to rounding (same greedy tokens), stores nothing it computed, and leaves the arena's
+    remembered rows bitwise for the next hits."""
+    pc = engine(tokenizer, native=native, prefix_resume="token")
+    base = doc(tokenizer, 21, 75)
+    first, second, third = (base + doc(tokenizer, seed, 9) for seed in (22, 23, 24))
+    fresh = [pc.complete(p, max_new_tokens=NEW, reuse=False) for p in (second, third)]
+    pc.complete(first, max_new_tokens=NEW)
+    stored = pc.prefix.stats()["entries"]
+    hit = pc.complete(second, max_new_tokens=NEW)
+    assert hit.cached_tokens >= len(base) > len(base) // BLOCK * BLOCK
+    assert hit.token_ids == fresh[0].token_ids
+    assert torch.allclose(hit.first_logits, fresh[0].first_logits, atol=1e-4, rtol=0)
+    assert pc.prefix.stats()["partial_tokens"] == hit.cached_tokens - len(base) // BLOCK * BLOCK
+    assert pc.prefix.stats()["entries"] == stored, "a token-resumed read stores nothing"
+    again = pc.complete(third, max_new_tokens=NEW)
+    assert again.cached_tokens >= len(base) and again.token_ids == fresh[1].token_ids
+    block_mode = engine(tokenizer, native=native)
+    block_mode.complete(first, max_new_tokens=NEW)
+    assert block_mode.complete(second, max_new_tokens=NEW).cached_tokens == len(base) // BLOCK * BLOCK
+
+
+def test_token_granular_resumption_needs_an_attention_only_model():
+    from pckernels.prefix.testing import tiny_model, tiny_tokenizer
+
+    byte_tokenizer = tiny_tokenizer()
+    with pytest.raises(ValueError, match="attention-only"):
+        PromptCache(tiny_model("lfm2", len(byte_tokenizer)), byte_tokenizer, prefix_resume="token")
+    with pytest.raises(ValueError, match="prefix_resume"):
+        PromptCache(tiny_model("llama", len(byte_tokenizer)), byte_tokenizer, prefix_resume="chunk")

@@ -42,6 +42,7 @@ from pckernels.integration.positions import KeyRotation
 from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
 from pckernels.prefix import PrefixCache
+from pckernels.prefix.cache import RESUME
 from pckernels.program import ProgramCall
 from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir, parse_budgets
 from pckernels.store.remote import DEFAULT_NAMESPACE, parse_remote_url
@@ -92,7 +93,10 @@ class PromptCache:
 
     ``prefix_block_size``: tokens per block of plain prompts' exact prefix reuse (``complete``;
     default 256): a hit recomputes up to one block less a token; smaller blocks cost the cold
-    read more forwards (``docs/prefix.md``).
+    read more forwards (``docs/prefix.md``). ``prefix_resume``: ``"block"`` (default: reuse on is
+    bitwise equal to reuse off) or ``"token"`` (attention-only models: a hit also takes the shared
+    tokens of a stored entry past its last full block and reads on from the first new token —
+    equal to reuse off to rounding; what it computes is not stored).
 
     ``model_id`` names the weights in cache keys; by default every tensor is hashed
     (:func:`pckernels.integration.identity.model_fingerprint`), ``from_pretrained`` hashes the
@@ -106,7 +110,8 @@ class PromptCache:
                  model_id: str | None = None, kv_budget: int | str | None = None, max_queue: int = 256,
                  max_batch: int = 64, step_tokens: int = 2048, remote: RemoteTier | str | None = None,
                  remote_namespace: str = DEFAULT_NAMESPACE, matmul: str = "fp32",
-                 prefix_block_size: int = DEFAULT_PREFIX_BLOCK, lookahead: int = 0) -> None:
+                 prefix_block_size: int = DEFAULT_PREFIX_BLOCK, lookahead: int = 0,
+                 prefix_resume: str = "block") -> None:
         budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
         if remote is not None and not isinstance(remote, RemoteTier):
             remote = RemoteTier(remote, namespace=remote_namespace)
@@ -137,7 +142,13 @@ class PromptCache:
         self.matmul = matmul
         if prefix_block_size < 1:
             raise ValueError(f"prefix_block_size must be >= 1, got {prefix_block_size}")
+        if prefix_resume not in RESUME:
+            raise ValueError(f"prefix_resume must be one of {', '.join(RESUME)}, got {prefix_resume!r}")
+        if prefix_resume == "token" and self.recurrent is not None:
+            raise ValueError("prefix_resume='token' needs an attention-only model: recurrent states exist only at the "
+                             "chunk boundaries they were saved at")
         self.prefix_block_size = prefix_block_size
+        self.prefix_resume = prefix_resume
         self.store = TieredStore(self.device, disk_dir=store_dir, remote=remote, **budgets)
         self.model_lock = threading.RLock()
         """Held by whoever runs the model: the scheduler's steps, encoding, deviation scoring."""
@@ -327,7 +338,8 @@ class PromptCache:
         is the batched way."""
         with self._prefix_lock:
             if self._prefix is None:
-                options = dict(block_size=self.prefix_block_size, spill=self.store, spill_model_id=self.model_id)
+                options = dict(block_size=self.prefix_block_size, spill=self.store, spill_model_id=self.model_id,
+                               resume=self.prefix_resume)
                 if self.recurrent is None:
                     make = lambda: EnginePrefixCache(self.context, run=self.scheduler.call, **options)  # noqa: E731
                 else:

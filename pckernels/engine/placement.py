@@ -151,7 +151,9 @@ class Placer:
                               computed_tokens=n - prefill.cached_tokens, mode=prefill.mode, rows=own,
                               new_tokens=list(ids), new_positions=list(range(n)))
         if run:
-            active.prefix_blocks = (keys or prefix.chain_keys(ids, request.prefix.salt), run[0], prefix.block_size)
+            exact = prefill.exact_tokens if prefill.exact_tokens is not None else n
+            blocks = (keys or prefix.chain_keys(ids, request.prefix.salt))[:exact // prefix.block_size]
+            active.prefix_blocks = (blocks, run[0], prefix.block_size)
         rows = torch.tensor(active.rows[:n], dtype=torch.long, device=device)
         if run is None and n:
             self.counters["prefix_rows_moved"] += 1

@@ -23,35 +23,44 @@ class PrefixMatch:
     """What :meth:`BasePrefixCache.match` found for one prompt of ``num_tokens`` tokens.
 
     ``keys``: the chained names of the prompt's full blocks; ``end_key``: the name of the whole
-    prompt. ``chain``: the stored entries to restore, root first (empty on a miss); ``end``: the
-    prompt-end entry when the whole prompt is stored (an exact repeat: ``chain`` then ends with it
-    and no forward is needed). ``held``: the deepest entry this reader holds from eviction (the
-    last of ``chain`` at first, then each block it inserts); release it when done.
+    prompt; ``root``: its chain's root (salted). ``chain``: the stored entries to restore, root
+    first (empty on a miss); ``end``: the prompt-end entry when the whole prompt is stored (an exact
+    repeat: ``chain`` then ends with it and no forward is needed). ``held``: the deepest entry this
+    reader holds from eviction (the last of ``chain`` at first, then each block it inserts);
+    release it when done. ``partial`` / ``partial_tokens``: with token-granular resumption, a
+    stored entry after the chain whose first ``partial_tokens`` tokens are the prompt's next ones
+    (held as well: release ``partial`` too).
     """
 
     num_tokens: int
     keys: list[bytes]
     end_key: bytes
+    root: bytes = b""
     chain: list[CachedEntry] = field(default_factory=list)
     end: CachedEntry | None = None
     held: CachedEntry | None = None
+    partial: CachedEntry | None = None
+    partial_tokens: int = 0
 
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens whose states the match restores."""
-        return self.chain[-1].end if self.chain else 0
+        return (self.chain[-1].end if self.chain else 0) + self.partial_tokens
 
 
 @dataclass
 class Prefill:
     """What a prefill leaves behind: ``logits`` ``[vocab]`` of the last prompt token, the cache
-    holding the prompt's states, how many prompt tokens were restored rather than computed, and
-    ``mode``: ``"prefix"`` (the store was used) or ``"uncached"``."""
+    holding the prompt's states, how many prompt tokens were restored rather than computed,
+    ``mode``: ``"prefix"`` (the store was used) or ``"uncached"``, and ``exact_tokens``: the
+    leading tokens whose states are bitwise those of a cold read (all of them, unless the prefill
+    resumed within a stored entry, token-granular)."""
 
     logits: torch.Tensor
     cache: object
     cached_tokens: int
     mode: str = "prefix"
+    exact_tokens: int | None = None
 
 
 class BasePrefixCache(ABC):

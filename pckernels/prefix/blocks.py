@@ -71,6 +71,24 @@ class BlockKV(list):
         return kv
 
 
+def head_kv(kv: list, count: int) -> list:
+    """The first ``count`` tokens of an entry's ``kv`` (per layer ``(keys, values)`` or None), as
+    views (a :class:`BlockKV` stays one)."""
+    if isinstance(kv, BlockKV):
+        return BlockKV.of(kv.block[:, :, :, :count])
+    return [None if pair is None else (pair[0][..., :count, :], pair[1][..., :count, :]) for pair in kv]
+
+
+def common_prefix(stored: array, tokens: list[int]) -> int:
+    """How many leading ``tokens`` equal ``stored``'s."""
+    count = 0
+    for a, b in zip(stored, tokens):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
 @dataclass(eq=False)
 class CachedEntry:
     """One stored block (or prompt end) and the model states it produced.
@@ -91,6 +109,8 @@ class CachedEntry:
     states: list | None = None
     final_logits: torch.Tensor | None = None
     refcount: int = 0
+    token_ids: array | None = None
+    anchor: bytes | None = None
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -126,6 +146,8 @@ class BlockStore:
         self.budget_bytes = budget_bytes
         self.on_evict = on_evict
         self._entries: OrderedDict[bytes, CachedEntry] = OrderedDict()
+        self._children: dict[bytes, dict[bytes, CachedEntry]] = {}
+        """anchor -> the stored entries that follow it (:meth:`children`)."""
         self.bytes = 0
         self.evictions = 0
         self.evicted_tokens = 0
@@ -171,6 +193,8 @@ class BlockStore:
             entry.parent.refcount += 1
         entry.refcount += 1
         self._entries[entry.key] = entry
+        if entry.anchor is not None:
+            self._children.setdefault(entry.anchor, {})[entry.key] = entry
         self.bytes += entry.nbytes
         self.evict_to_budget()
         return entry
@@ -211,8 +235,18 @@ class BlockStore:
                 self.on_evict(victim)
             self._remove(victim)
 
+    def children(self, anchor: bytes) -> list[CachedEntry]:
+        """The stored entries whose parent is the entry named ``anchor`` (or, for a chain's root,
+        its first blocks and short prompts' ends)."""
+        return list(self._children.get(anchor, {}).values())
+
     def _remove(self, entry: CachedEntry) -> None:
         del self._entries[entry.key]
+        siblings = self._children.get(entry.anchor)
+        if siblings is not None:
+            siblings.pop(entry.key, None)
+            if not siblings:
+                del self._children[entry.anchor]
         self.bytes -= entry.nbytes
         self.evictions += 1
         self.evicted_tokens += entry.num_tokens

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 
 import torch
 
@@ -27,7 +28,7 @@ from pckernels.generation import GenerationResult, SamplingParams, TokenChoice, 
 from pckernels.integration.identity import model_fingerprint
 from pckernels.integration.adapters import ModelAdapter, adapter_for
 from pckernels.prefix.base import BasePrefixCache, Prefill, PrefixMatch
-from pckernels.prefix.blocks import BlockStore, CachedEntry, block_keys, prompt_end_key
+from pckernels.prefix.blocks import BlockStore, CachedEntry, block_keys, common_prefix, prompt_end_key
 from pckernels.prefix.check import self_check
 from pckernels.prefix.prompts import Prompt, encode_prompt
 from pckernels.prefix.reading import Reading
@@ -44,6 +45,9 @@ DEFAULT_BLOCK_SIZE = 256
 tokens."""
 
 DEFAULT_BUDGET_BYTES = 1 << 30
+
+RESUME = ("block", "token")
+"""Where a prefill may resume (``PrefixCache(resume=...)``)."""
 
 def _max_positions(model) -> int | None:
     """The positions ``model`` takes: its adapter's ``max_positions()`` (the base adapter's for
@@ -75,6 +79,12 @@ class PrefixCache(BasePrefixCache):
     ``max_positions``: the positions the model takes (``None``: no limit); prompts must leave one
     to generate at.
 
+    ``resume``: ``"block"`` (default) resumes a prefill only at a chunk boundary, so reuse on is
+    bitwise equal to reuse off; ``"token"`` (attention-only models) also takes the leading tokens
+    of a stored entry that the prompt shares beyond its last full matching block, and reads on
+    from the first new token — equal to reuse off to rounding (the chunks after it are cut
+    elsewhere), so what such a prefill computes is not stored.
+
     Construction runs a small self-check on random tokens: a chunked prefill must agree with a
     one-pass prefill (the model really continues from its cached state), and a prefill resumed
     from restored states, plus a decode step, must be bitwise equal to the uninterrupted one.
@@ -83,10 +93,13 @@ class PrefixCache(BasePrefixCache):
     def __init__(self, model, tokenizer=None, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  chunk_size: int | None = None, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  strict: bool = False, spill: TieredStore | None = None,
-                 spill_model_id: str | None = None) -> None:
+                 spill_model_id: str | None = None, resume: str = "block") -> None:
         chunk_size = block_size if chunk_size is None else chunk_size
         if block_size < 1 or chunk_size < block_size or chunk_size % block_size:
             raise ValueError(f"need block_size >= 1 and chunk_size a multiple of it, got {block_size=}, {chunk_size=}")
+        if resume not in RESUME:
+            raise ValueError(f"resume must be one of {', '.join(RESUME)}, got {resume!r}")
+        self.resume = resume
         self.model = model
         self.tokenizer = tokenizer
         self.block_size = block_size
@@ -98,13 +111,17 @@ class PrefixCache(BasePrefixCache):
         self._store = BlockStore(budget_bytes, on_evict=self._spill_evicted)
         self._lock = threading.Lock()
         self._root = f"promptcache-prefix/{block_size}/{chunk_size}{self._root_tag()}".encode()
-        self._counters = {"queries": 0, "hits": 0, "full_hits": 0, "hit_tokens": 0, "computed_tokens": 0}
+        self._counters = {"queries": 0, "hits": 0, "full_hits": 0, "hit_tokens": 0, "computed_tokens": 0,
+                          "partial_tokens": 0}
         self.refusal = self_check(self)
         if self.refusal is not None:
             message = f"exact prefix reuse is not available for {type(model).__name__}: {self.refusal}"
             if strict:
                 raise UnsupportedModelError(message)
             log.warning("%s; prompts will be computed in full", message)
+        if resume == "token" and self.states.has_recurrent_layers:
+            raise ValueError("resume='token' needs an attention-only model: recurrent states exist only at the "
+                             "chunk boundaries they were saved at")
         self.spill = self._make_spill(spill, spill_model_id)
 
     def _make_states(self):
@@ -194,11 +211,14 @@ class PrefixCache(BasePrefixCache):
     def match(self, prompt_ids: list[int], salt: str = "") -> PrefixMatch:
         """The longest stored prefix of ``prompt_ids`` a prefill can resume after, reading blocks
         back from the spill store where memory lacks them, or the whole prompt when its end is
-        stored; the match's deepest entry is held (``PrefixMatch.held``: release it)."""
+        stored; the match's deepest entry is held (``PrefixMatch.held``: release it). With
+        ``resume="token"`` it goes on into the stored entry that shares most of the prompt's next
+        tokens (``PrefixMatch.partial``, held too)."""
         n = len(prompt_ids)
         root = self._chain_root(salt)
         keys = block_keys(prompt_ids, self.block_size, root)
-        found = PrefixMatch(n, keys, prompt_end_key(keys[-1] if keys else root, prompt_ids[len(keys) * self.block_size:]))
+        found = PrefixMatch(n, keys, prompt_end_key(keys[-1] if keys else root, prompt_ids[len(keys) * self.block_size:]),
+                            root)
         with self._lock:
             found.end = self._store.get(found.end_key)
             restored: list[CachedEntry] = []
@@ -206,14 +226,34 @@ class PrefixCache(BasePrefixCache):
                 found.chain = found.end.chain()
             else:
                 matched = self._store.longest_chain(keys)
-                restored = self._restore_spilled(keys, matched, n)
-                found.chain = self._resumable(matched + restored, n)
+                restored = self._restore_spilled(keys, matched, n, root)
+                if self.resume == "token":
+                    found.chain = (matched + restored)[:(n - 1) // self.block_size]
+                    self._extend_partial(found, prompt_ids)
+                else:
+                    found.chain = self._resumable(matched + restored, n)
             if found.chain:
                 found.held = found.chain[-1]
                 self._store.acquire(found.held)
+            if found.partial is not None:
+                self._store.acquire(found.partial)
             if restored:
                 self._store.release(restored[-1])
         return found
+
+    def _extend_partial(self, found: PrefixMatch, prompt_ids: list[int]) -> None:
+        """Token-granular resumption: after ``found.chain``, the stored entry sharing most of the
+        prompt's next tokens, leaving at least one token to compute. Call with the lock held."""
+        start = found.chain[-1].end if found.chain else 0
+        anchor = found.chain[-1].key if found.chain else found.root
+        rest = prompt_ids[start:len(prompt_ids) - 1]
+        best, count = None, 0
+        for entry in self._store.children(anchor):
+            if entry.token_ids is not None:
+                shared = common_prefix(entry.token_ids, rest)
+                if shared > count:
+                    best, count = entry, shared
+        found.partial, found.partial_tokens = best, count
 
     def insert(self, entry: CachedEntry) -> CachedEntry:
         """Store ``entry`` (its parent stored) and return the stored entry, held for the caller."""
@@ -280,17 +320,20 @@ class PrefixCache(BasePrefixCache):
     def _chain_root(self, salt: str) -> bytes:
         return self._root + b"/salt/" + salt.encode() if salt else self._root
 
-    def count(self, num_tokens: int, cached_tokens: int, *, whole: bool) -> None:
-        """Count a finished reading with reuse: ``cached_tokens`` of ``num_tokens`` restored,
-        ``whole``: the prompt end was stored (no forward)."""
+    def count(self, num_tokens: int, cached_tokens: int, *, whole: bool, partial: int = 0) -> None:
+        """Count a finished reading with reuse: ``cached_tokens`` of ``num_tokens`` restored
+        (``partial`` of them from within an entry, token-granular), ``whole``: the prompt end was
+        stored (no forward)."""
         with self._lock:
+            self._counters["partial_tokens"] += partial
             self._counters["queries"] += 1
             self._counters["hits"] += cached_tokens > 0
             self._counters["full_hits"] += whole
             self._counters["hit_tokens"] += cached_tokens
             self._counters["computed_tokens"] += num_tokens - cached_tokens
 
-    def _restore_spilled(self, keys: list[bytes], matched: list[CachedEntry], num_tokens: int) -> list[CachedEntry]:
+    def _restore_spilled(self, keys: list[bytes], matched: list[CachedEntry], num_tokens: int,
+                         root: bytes) -> list[CachedEntry]:
         """Continue ``matched`` (the in-memory chain of ``keys``) with blocks from the spill store.
 
         Only blocks a prefill can resume after are read: those ending at or before the last chunk
@@ -307,6 +350,7 @@ class PrefixCache(BasePrefixCache):
             entry = self.spill.get(keys[index], parent, index * self.block_size, self.block_size)
             if entry is None:
                 break
+            entry.anchor = parent.key if parent is not None else root
             entry = self._store.insert(entry)
             if restored:
                 self._store.release(restored[-1])
@@ -327,8 +371,8 @@ class PrefixCache(BasePrefixCache):
             usable -= 1
         return matched[:usable]
 
-    def store_blocks(self, found: PrefixMatch, cache, chunk_start: int, chunk_end: int) -> None:
-        """After a chunk ``[chunk_start, chunk_end)`` was read into ``cache``: store each full block
+    def store_blocks(self, found: PrefixMatch, prompt_ids: list[int], cache, chunk_start: int, chunk_end: int) -> None:
+        """After a chunk ``[chunk_start, chunk_end)`` of ``prompt_ids`` was read into ``cache``: store each full block
         it completed (with the recurrent snapshot where a block ends a chunk); ``found.held``
         follows the deepest stored entry of the prompt."""
         block = self.block_size
@@ -340,20 +384,24 @@ class PrefixCache(BasePrefixCache):
                 key=found.keys[block_start // block], parent=found.held, start=block_start, num_tokens=block,
                 kv=self.states.kv_slice(cache, block_start, block_end),
                 states=self.states.recurrent_snapshot(cache) if at_boundary else None,
+                token_ids=array("q", prompt_ids[block_start:block_end]),
+                anchor=found.held.key if found.held is not None else found.root,
             )
             self._insert_and_hold(found, entry)
             if self.spill is not None and self.spill.shared:
                 self.spill.publish(entry)
 
-    def store_end(self, found: PrefixMatch, cache, num_tokens: int, logits: torch.Tensor) -> None:
+    def store_end(self, found: PrefixMatch, prompt_ids: list[int], cache, logits: torch.Tensor) -> None:
         """Store the prompt end (its partial last block, states and last ``logits [vocab]``) once
-        the whole prompt of ``num_tokens`` tokens is read into ``cache``."""
+        the whole of ``prompt_ids`` is read into ``cache``."""
         full_end = len(found.keys) * self.block_size
+        num_tokens = len(prompt_ids)
         self._insert_and_hold(found, CachedEntry(
             key=found.end_key, parent=found.held, start=full_end, num_tokens=num_tokens - full_end,
             kv=self.states.kv_slice(cache, full_end, num_tokens),
             states=self.states.recurrent_snapshot(cache) if self.states.has_recurrent_layers else None,
-            final_logits=logits.clone(),
+            final_logits=logits.clone(), token_ids=array("q", prompt_ids[full_end:]),
+            anchor=found.held.key if found.held is not None else found.root,
         ))
 
     def _insert_and_hold(self, found: PrefixMatch, entry: CachedEntry) -> None:

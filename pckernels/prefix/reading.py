@@ -6,7 +6,10 @@ the longest stored prefix already restored into its working cache (``reuse``), t
 boundaries as a prefill from scratch, storing each full block (and, with it, the recurrent
 snapshot at its end) and finally the prompt end. A caller that interleaves prompts with other
 work (the engine's scheduler) advances it a few chunks per step; :meth:`PrefixCache.prefill`
-advances it to the end at once. Either way the chunks, and so the bits, are the same.
+advances it to the end at once. Either way the chunks, and so the bits, are the same. A reading
+that resumed within a stored entry (token-granular resumption, ``PrefixCache(resume="token")``)
+reads on from the first new token and stores nothing: its chunks are cut elsewhere than a cold
+read's, so its states equal those only to rounding.
 :meth:`Reading.close` lets go of what it holds; a reading closed before its end stores what it
 completed and nothing else.
 """
@@ -18,6 +21,7 @@ from typing import Protocol
 import torch
 
 from pckernels.prefix.base import Prefill, PrefixMatch
+from pckernels.prefix.blocks import head_kv
 
 
 class Owner(Protocol):
@@ -36,11 +40,12 @@ class Owner(Protocol):
 
     def forward_chunk(self, cache, input_ids: torch.Tensor, first_position: int) -> torch.Tensor: ...
 
-    def store_blocks(self, found: PrefixMatch, cache, chunk_start: int, chunk_end: int) -> None: ...
+    def store_blocks(self, found: PrefixMatch, prompt_ids: list[int], cache, chunk_start: int,
+                     chunk_end: int) -> None: ...
 
-    def store_end(self, found: PrefixMatch, cache, num_tokens: int, logits: torch.Tensor) -> None: ...
+    def store_end(self, found: PrefixMatch, prompt_ids: list[int], cache, logits: torch.Tensor) -> None: ...
 
-    def count(self, num_tokens: int, cached_tokens: int, *, whole: bool) -> None: ...
+    def count(self, num_tokens: int, cached_tokens: int, *, whole: bool, partial: int = 0) -> None: ...
 
 
 class Reading:
@@ -52,6 +57,7 @@ class Reading:
                  rows: torch.Tensor | None = None, placed: int = 0) -> None:
         owner.check_length(len(prompt_ids))
         self.owner = owner
+        self.prompt_ids = list(prompt_ids)
         self.num_tokens = len(prompt_ids)
         self.ids = torch.tensor([prompt_ids], dtype=torch.long, device=owner.device)
         self.use_store = reuse and owner.refusal is None
@@ -64,9 +70,14 @@ class Reading:
         try:
             self.cache = owner.states.new_cache(rows)
             found = self.found
-            if found is not None and found.chain:
+            self.stores = found is not None and found.partial is None
+            """Whether what this reading computes is stored (not after a token-granular resume)."""
+            if found is not None and (found.chain or found.partial is not None):
+                pieces = [entry.kv for entry in found.chain]
+                if found.partial is not None:
+                    pieces.append(head_kv(found.partial.kv, found.partial_tokens))
                 with torch.no_grad():
-                    owner.states.restore(self.cache, [entry.kv for entry in found.chain], found.chain[-1].states,
+                    owner.states.restore(self.cache, pieces, found.chain[-1].states if found.chain else None,
                                          placed=placed)
             if found is not None and found.end is not None:
                 self.logits = found.end.final_logits.clone()
@@ -93,13 +104,13 @@ class Reading:
                 start = self.position
                 end = min(start + self.chunk, self.num_tokens)
                 logits = owner.forward_chunk(self.cache, self.ids[:, start:end], start)
-                if self.use_store:
-                    owner.store_blocks(self.found, self.cache, start, end)
+                if self.stores:
+                    owner.store_blocks(self.found, self.prompt_ids, self.cache, start, end)
                 self.position = end
                 read += end - start
                 if end == self.num_tokens:
-                    if self.use_store:
-                        owner.store_end(self.found, self.cache, self.num_tokens, logits)
+                    if self.stores:
+                        owner.store_end(self.found, self.prompt_ids, self.cache, logits)
                     self.logits = logits
         return self.done
 
@@ -111,9 +122,12 @@ class Reading:
         self._closed = True
         if self.found is not None:
             self.owner.release(self.found.held)
+            self.owner.release(self.found.partial)
             if self.done:
-                self.owner.count(self.num_tokens, self.cached_tokens, whole=self.found.end is not None)
+                self.owner.count(self.num_tokens, self.cached_tokens, whole=self.found.end is not None,
+                                 partial=self.found.partial_tokens)
 
     def prefill(self) -> Prefill:
         """The finished reading as a :class:`~pckernels.prefix.base.Prefill`."""
-        return Prefill(self.logits, self.cache, self.cached_tokens, self.mode)
+        exact = self.num_tokens if self.found is None or self.stores else self.cached_tokens - self.found.partial_tokens
+        return Prefill(self.logits, self.cache, self.cached_tokens, self.mode, exact)

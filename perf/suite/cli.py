@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--matmul", choices=("fp32", "bf16"), default="fp32",
                     help="promptcache's matmul precision on CPU (bf16: oneDNN over packed weights)")
     ap.add_argument("--prefix-block", type=int, help="tokens per block of exact prefix reuse (default 256)")
+    ap.add_argument("--prefix-resume", choices=("block", "token"), default="block",
+                    help="where plain prompts' hits resume: block (bitwise, the default) or token (from the first "
+                         "new token, equal to rounding: PromptCache(prefix_resume=...))")
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python for the llamacpp experiment "
                                            "(default: $PROMPTCACHE_LLAMACPP_PYTHON, then this one)")
     ap.add_argument("--peer-flash", action="store_true",
@@ -88,11 +91,12 @@ def main(argv: list[str] | None = None) -> int:
                                                       peer_threads=args.threads, peer_flash=args.peer_flash or None,
                                                       peer_lookahead=args.lookahead)
     if (args.only or args.repeats or args.ttft_repeats or args.lengths or args.prefix_block or args.matmul != "fp32"
-            or args.peer_flash or args.lookahead):
+            or args.peer_flash or args.lookahead or args.prefix_resume != "block"):
         config.name = f"{preset}-custom"
     print(f"loading {args.model} …", flush=True)
     engine = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=False,
-                                         matmul=args.matmul, prefix_block_size=config.prefix_block_size)
+                                         matmul=args.matmul, prefix_block_size=config.prefix_block_size,
+                                         prefix_resume=args.prefix_resume)
     out_dir = args.out or default_out_dir(engine, config)
     checkpoint = out_dir / PARTIAL_NAME
     previous = read_checkpoint(checkpoint) if args.resume else None

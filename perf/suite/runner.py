@@ -53,7 +53,7 @@ def environment(engine: PromptCache) -> dict:
     return {"machine": machine_name(engine.device), "cpu": cpu_model(), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "device": str(engine.device), "dtype": str(engine.dtype),
-            "matmul": engine.matmul, "numerics": engine.numerics,
+            "matmul": engine.matmul, "numerics": engine.numerics, "prefix_resume": engine.prefix_resume,
             "model": engine.name, "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "started": datetime.datetime.now().isoformat(timespec="seconds")}
 
