@@ -77,8 +77,9 @@ def same(a, b) -> bool:
 
 
 def ttft_table(engine: PromptCache, length: int, decode_tokens: int) -> dict:
-    """The seed's rows for one prompt length (module docstring)."""
-    doc = document(length)
+    """The seed's rows for one prompt length (module docstring); each length its own document, so no
+    length reuses another's blocks."""
+    doc = document(length, seed=length)
     middle = len(doc) // 2
     edited = doc[:middle] + "EDITED" + doc[middle + 6:]
     first = chat(doc, "Which ledger comes after the quarry?")
