@@ -304,3 +304,36 @@ def test_every_family_batches_exactly(tokenizer, family):  # noqa: F811
     for name, handle in handles.items():
         assert_close(handle.result(timeout=60), solo[name])
     assert pc.scheduler.batch_sizes[3] > batched
+
+
+@pytest.mark.parametrize("kind", ["pml", "plain"])
+def test_n_answers_share_one_reading_of_the_prompt(tokenizer, kind):  # noqa: F811
+    """n > 1: the prompt is read once, every answer reads its rows and decodes on its own: greedy
+    answers all equal the single answer, seeded samples equal single requests with seed + i, the
+    prompt is computed once, and every row comes back."""
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    pc.add_schema(SCHEMA)
+
+    def make(**options):
+        if kind == "pml":
+            return pc.request(PROMPTS["all-of-union-one"], max_new_tokens=5, **options)
+        return pc.complete_request("Tell me about rivers and bridges, " * 6, max_new_tokens=5, reuse=False, **options)
+
+    single = pc.submit(make()).result()
+    handle = pc.submit(make(n=3))
+    assert len(handle.choices) == 3
+    answers = [h.result(timeout=60) for h in handle.choices]
+    assert all(a.token_ids == single.token_ids and torch.allclose(a.first_logits, single.first_logits, atol=1e-4)
+               for a in answers)
+    assert sum(a.computed_tokens for a in answers) == single.computed_tokens, "the prompt is read once"
+    sampled = [h.result(timeout=60) for h in pc.submit(make(n=3, temperature=0.9, seed=5)).choices]
+    alone = [pc.submit(make(temperature=0.9, seed=5 + i)).result() for i in range(3)]
+    assert [s.token_ids for s in sampled] == [a.token_ids for a in alone]
+    assert pc.scheduler.arena.referenced_rows() == 0
+    with pc.model_lock:
+        cancelled = pc.submit(make(n=2))
+        cancelled.cancel()
+    for h in cancelled.choices:
+        with pytest.raises(RequestCancelled):
+            h.result(timeout=60)
+    assert pc.scheduler.arena.referenced_rows() == 0

@@ -190,3 +190,14 @@ def test_limits(tokenizer):
     with pytest.raises(DeadlineExceeded):
         slow.complete(DOC * 20, max_new_tokens=8, reuse=False, deadline_s=0.01)
     slow.close()
+
+
+def test_n_answers_copy_the_states_of_one_reading(tokenizer):
+    pc = engine(tokenizer, "qwen3_next")
+    single = pc.complete(chat("What happens next?"), max_new_tokens=NEW, reuse=False)
+    handle = pc.submit(pc.complete_request(chat("What happens next?"), max_new_tokens=NEW, reuse=False, n=3))
+    answers = [h.result(timeout=60) for h in handle.choices]
+    assert all(a.token_ids == single.token_ids and torch.equal(a.first_logits, single.first_logits) for a in answers)
+    assert sum(a.computed_tokens for a in answers) == single.computed_tokens
+    assert pc.stats()["engine"]["hybrid"]["admitted"] == 0
+    pc.close()

@@ -286,7 +286,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
          "schema_not_found"),
         ("/v1/completions", json.dumps({"model": MODEL, "prompt": "word " * 3000, "max_tokens": 2}), 413,
          "context_length_exceeded"),
-        ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 2}), 400, None),
+        ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 99}), 400, None),
         ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}), 400, None),
         ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}), 400, None),
     ]

@@ -20,7 +20,7 @@ from pckernels.engine.context import EngineContext
 from pckernels.engine.placement import Placer
 from pckernels.engine.request import Request, RequestHandle
 from pckernels.engine.runner import StepOutput, StepResult
-from pckernels.engine.running import ArenaRequest, own_rows
+from pckernels.engine.running import ArenaRequest, admitted_rows
 from pckernels.engine.step import StepPlan, plan_step
 from pckernels.errors import RequestTooLargeError
 from pckernels.generation import TokenChoice
@@ -44,7 +44,7 @@ class ArenaRunner:
         modules per request would have taken."""
 
     def too_large(self, request: Request) -> BaseException | None:
-        alone = own_rows(request) + sum(b.n_rows for b in (request.plan.blocks if request.plan else ()))
+        alone = admitted_rows(request) + sum(b.n_rows for b in (request.plan.blocks if request.plan else ()))
         if alone > self.arena.max_rows:
             return RequestTooLargeError(alone, self.arena.max_rows, self.arena.bytes_per_row)
         return None
@@ -54,6 +54,9 @@ class ArenaRunner:
 
     def start(self, handle: RequestHandle, choice: TokenChoice) -> tuple[ArenaRequest, torch.Tensor | None]:
         return self.placer.start(handle, choice)
+
+    def fork(self, lead: ArenaRequest, handle: RequestHandle, choice: TokenChoice) -> ArenaRequest:
+        return self.placer.fork(lead, handle, choice)
 
     def admitted(self, active: ArenaRequest) -> None:
         """Note the arena's busiest moment (``peak``)."""

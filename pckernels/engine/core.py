@@ -11,6 +11,7 @@ through one :class:`~pckernels.engine.context.EngineContext`, never through this
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -357,14 +358,23 @@ class PromptCache:
     def request(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
                 temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
                 seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
-                deadline_s: float | None = None, salt: str = "") -> Request:
+                deadline_s: float | None = None, salt: str = "", logit_bias: Mapping[int, float] | None = None,
+                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: int | None = None,
+                grammar=None, n: int = 1) -> Request:
         """Parse and plan a PML prompt into a :class:`Request` (in the calling thread: bad input
         raises here and changes nothing). Arguments as in :meth:`generate`; ``salt`` picks the
-        namespace its schemas are looked up in (:meth:`add_schema`)."""
+        namespace its schemas are looked up in (:meth:`add_schema`). ``logit_bias``,
+        ``presence_penalty``, ``frequency_penalty``, ``logprobs`` and ``grammar`` adjust how tokens
+        are chosen and what is recorded (:class:`~pckernels.generation.SamplingParams`). ``n``:
+        answers from one reading of the prompt (the submitted handle's ``choices``)."""
         submitted = time.perf_counter()
-        params = SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed)
-        return self._requests.pml(prompt, params, mode=mode, recompute=recompute, recompute_policy=recompute_policy,
-                                  deadline=deadline_at(deadline_s), salt=salt, submitted=submitted)
+        params = SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed, logit_bias=logit_bias,
+                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                   logprobs=logprobs, grammar=grammar)
+        request = self._requests.pml(prompt, params, mode=mode, recompute=recompute,
+                                     recompute_policy=recompute_policy, deadline=deadline_at(deadline_s), salt=salt,
+                                     submitted=submitted)
+        return dataclasses.replace(request, n=n) if n != 1 else request
 
     def submit(self, request: Request | str | ResolvedPrompt, **options) -> RequestHandle:
         """Queue a request (a :class:`Request`, or a PML prompt with :meth:`request`'s options) and
@@ -378,9 +388,10 @@ class PromptCache:
     def generate(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
                  temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
                  seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
-                 deadline_s: float | None = None) -> GenerationResult:
+                 deadline_s: float | None = None, **choosing) -> GenerationResult:
         """Answer a PML prompt, or a prompt program's call (``program(args…)``, ``docs/program.md``).
-        See the class docstring for ``mode``.
+        See the class docstring for ``mode``; ``choosing``: ``logit_bias``, ``presence_penalty``,
+        ``frequency_penalty``, ``logprobs``, ``grammar`` as in :meth:`request`.
 
         ``recompute`` (cached and reference modes): the share of the imported modules' stale
         tokens (``plan.stale_tokens``) computed afresh in the prompt's forward, attending like
@@ -391,18 +402,18 @@ class PromptCache:
         """
         return self.submit(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, top_p=top_p,
                            stop=stop, seed=seed, recompute=recompute, recompute_policy=recompute_policy,
-                           deadline_s=deadline_s).result()
+                           deadline_s=deadline_s, **choosing).result()
 
     def stream(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
                temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
                seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
-               deadline_s: float | None = None) -> Iterator[str]:
+               deadline_s: float | None = None, **choosing) -> Iterator[str]:
         """Like ``generate`` but yields the answer's text as it is produced; the pieces always join
         to the final text (a tail that may still become a ``stop`` string is held back until it is
         known not to). Closing the generator early cancels the request."""
         handle = self.submit(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
                              top_p=top_p, stop=stop, seed=seed, recompute=recompute,
-                             recompute_policy=recompute_policy, deadline_s=deadline_s)
+                             recompute_policy=recompute_policy, deadline_s=deadline_s, **choosing)
         return self._text_stream(handle, [stop] if isinstance(stop, str) else list(stop or []))
 
     def _text_stream(self, handle: RequestHandle, stops: list[str]) -> Iterator[str]:
@@ -422,26 +433,34 @@ class PromptCache:
 
     def complete_request(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,
                          top_p: float = 1.0, stop: str | list[str] | None = None, seed: int | None = None,
-                         deadline_s: float | None = None, salt: str = "") -> Request:
+                         deadline_s: float | None = None, salt: str = "",
+                         logit_bias: Mapping[int, float] | None = None, presence_penalty: float = 0.0,
+                         frequency_penalty: float = 0.0, logprobs: int | None = None, grammar=None,
+                         n: int = 1) -> Request:
         """A plain prompt (text, token ids or chat messages) as a :class:`Request` for exact
-        prefix reuse; arguments as in :meth:`complete`. ``salt`` namespaces its prefix blocks:
-        prompts with different salts never share a block."""
+        prefix reuse; arguments as in :meth:`complete` and, for how tokens are chosen and ``n``,
+        :meth:`request`. ``salt`` namespaces its prefix blocks: prompts with different salts never
+        share a block."""
         submitted = time.perf_counter()
-        params = SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed)
-        return self._requests.plain(prompt, params, reuse=reuse, deadline=deadline_at(deadline_s), salt=salt,
-                                    submitted=submitted)
+        params = SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed, logit_bias=logit_bias,
+                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                   logprobs=logprobs, grammar=grammar)
+        request = self._requests.plain(prompt, params, reuse=reuse, deadline=deadline_at(deadline_s), salt=salt,
+                                       submitted=submitted)
+        return dataclasses.replace(request, n=n) if n != 1 else request
 
     def complete(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,
                  top_p: float = 1.0, stop: str | list[str] | None = None, seed: int | None = None,
-                 deadline_s: float | None = None) -> GenerationResult:
+                 deadline_s: float | None = None, **choosing) -> GenerationResult:
         """Generate after any prompt — text, token ids, chat messages or a prompt program's call (its
         rendered text), no PML needed — reusing the longest cached prefix exactly
         (``docs/prefix.md``); ``reuse=False`` computes it all in
         the same chunks, so both give bitwise-equal first logits. The prompt is read alone; its
-        decoding joins the batch of whatever else is running."""
+        decoding joins the batch of whatever else is running. ``choosing``: ``logit_bias``,
+        ``presence_penalty``, ``frequency_penalty``, ``logprobs``, ``grammar`` as in :meth:`request`."""
         return self.submit(self.complete_request(prompt, max_new_tokens=max_new_tokens, reuse=reuse,
                                                  temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                                                 deadline_s=deadline_s)).result()
+                                                 deadline_s=deadline_s, **choosing)).result()
 
     def evict_resident(self) -> int:
         """Forget the module blocks the arena keeps resident for no running request (the next

@@ -46,8 +46,9 @@ class Decoding:
     def choose(self, active: Running, logits: torch.Tensor) -> bool:
         """Pick ``active``'s next token from its ``logits [vocab]`` and stream it; False when that
         ends the request (the caller finishes it), True when it goes on."""
-        token = active.choice.choose(logits, active.next_pos)
-        active.handle._emit(token)
+        choice = active.choice
+        token = choice.choose(logits, active.next_pos)
+        active.handle._emit(token, choice.logprobs[-1] if choice.logprobs else None)
         if active.choice.done:
             return False
         active.pending = token

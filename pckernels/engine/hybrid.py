@@ -19,6 +19,7 @@ batch already shares each weight read, and no drafts are made.
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,14 +83,14 @@ class HybridRunner:
 
     def too_large(self, request: Request) -> BaseException | None:
         tokens = _tokens(request)
-        if self._bytes(1, tokens) > self.max_bytes:
+        if self._bytes(request.n, tokens) > self.max_bytes:
             per_token = max(1, self.footprint.kv_bytes_per_token)
             return RequestTooLargeError(tokens, max(0, self.max_bytes - self.footprint.state_bytes) // per_token,
                                         per_token)
         return None
 
     def fits(self, request: Request) -> bool:
-        counted = list(self.admitted_tokens.values()) + [_tokens(request)]
+        counted = list(self.admitted_tokens.values()) + [_tokens(request)] * request.n
         return self._bytes(len(counted), max(counted)) <= self.max_bytes
 
     # -- requests -----------------------------------------------------------------------------------
@@ -103,6 +104,14 @@ class HybridRunner:
         if reading.done:
             return active, self._read(active)
         return active, None
+
+    def fork(self, lead: HybridRequest, handle: RequestHandle, choice: TokenChoice) -> HybridRequest:
+        """Another answer of ``lead``'s request: a copy of the states its prompt was just read into
+        (its recurrent states must be its own)."""
+        child = HybridRequest(handle, choice, cached_tokens=lead.cached_tokens, computed_tokens=0, mode=lead.mode,
+                              own=copy.deepcopy(lead.own), tokens=lead.tokens, next_pos=lead.next_pos)
+        self.admitted_tokens[handle.request.id] = child.tokens
+        return child
 
     def admitted(self, active: HybridRequest) -> None:
         """Nothing to note: admission counted it at :meth:`start`."""

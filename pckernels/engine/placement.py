@@ -20,7 +20,7 @@ from pckernels.engine.arena import KVArena, ResidentBlock, row_ranges
 from pckernels.engine.context import EngineContext
 from pckernels.engine.plan import BlockRef
 from pckernels.engine.request import Request, RequestHandle
-from pckernels.engine.running import ArenaRequest, own_rows
+from pckernels.engine.running import ArenaRequest, SharedRows, admitted_rows, own_rows
 from pckernels.generation import TokenChoice
 from pckernels.pml.model import Schema
 from pckernels.prefix.base import BasePrefixCache
@@ -40,7 +40,7 @@ class Placer:
     def added_rows(self, request: Request) -> int:
         """Rows admitting ``request`` adds to what running requests hold: its own, and those of
         its blocks no running request holds."""
-        rows = own_rows(request)
+        rows = admitted_rows(request)
         if request.plan is not None:
             for ref in request.plan.blocks:
                 block = self.arena.block(self.ctx.blocks.arena_key(request.schema, ref))
@@ -166,15 +166,40 @@ class Placer:
         active.next_pos = n
         return active, prefill.logits
 
+    def fork(self, lead: ArenaRequest, handle: RequestHandle, choice: TokenChoice) -> ArenaRequest:
+        """Another answer of ``lead``'s request, starting where its prompt was just read: it reads the
+        lead's module blocks and prompt rows (shared, freed with the last of them) and decodes
+        into rows of its own."""
+        if lead.shared is None:
+            lead.shared = SharedRows(lead.rows[:len(lead.new_tokens)])
+        lead.shared.refs += 1
+        for key in lead.block_keys:
+            self.arena.acquire(self.arena.block(key))
+        device = self.ctx.device
+        return ArenaRequest(handle, choice, cached_tokens=lead.cached_tokens, computed_tokens=0, mode=lead.mode,
+                            rows=self.arena.allocate(handle.request.params.max_new_tokens - 1),
+                            block_keys=list(lead.block_keys), block_rows=torch.cat([lead.block_rows, lead.own_visible]),
+                            own_visible=torch.zeros(0, dtype=torch.long, device=device), max_row=lead.max_row,
+                            next_pos=lead.next_pos, shared=lead.shared)
+
     def release(self, active: ArenaRequest) -> None:
         """Give back ``active``'s blocks and rows (a plain prompt's run is remembered, so a later
-        request reading the same blocks may take those rows as they are)."""
+        request reading the same blocks may take those rows as they are); prompt rows shared with
+        other answers go with the last of them."""
         for key in active.block_keys:
             self.arena.release_block(key)
         active.block_keys = []
         if active.prefix_blocks is not None:
             self.arena.remember_prefix(*active.prefix_blocks)
             active.prefix_blocks = None
+        shared = active.shared
+        if shared is not None:
+            active.shared = None
+            kept = set(shared.rows)
+            active.rows = [row for row in active.rows if row not in kept]
+            shared.refs -= 1
+            if shared.refs == 0:
+                self.arena.release(shared.rows)
         if active.rows:
             self.arena.release(active.rows)
             active.rows = []

@@ -9,6 +9,7 @@ error.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -40,7 +41,8 @@ class Request:
 
     ``schema``: the schema ``plan``'s blocks belong to. ``prompt_token_ids`` / ``positions``: the
     prompt as reported in the result. ``deadline``: ``time.monotonic()`` value after which the
-    request fails with :class:`~pckernels.errors.DeadlineExceeded` (None: none).
+    request fails with :class:`~pckernels.errors.DeadlineExceeded` (None: none). ``n``: answers to
+    generate from the one reading of the prompt (OpenAI's ``n``): the handle's ``choices``.
     """
 
     params: SamplingParams
@@ -53,6 +55,18 @@ class Request:
     deadline: float | None = None
     submitted: float = field(default_factory=time.perf_counter)
     id: int = field(default_factory=lambda: next(_ids))
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+    def sibling(self, index: int) -> "Request":
+        """The ``index``-th further answer of an ``n > 1`` request: the same prompt, a request of its
+        own (its own id; with a ``seed``, ``seed + index``, so sampled answers differ reproducibly)."""
+        seed = self.params.seed
+        params = dataclasses.replace(self.params, seed=None if seed is None else seed + index)
+        return dataclasses.replace(self, params=params, id=next(_ids), n=1)
 
     @property
     def new_tokens(self) -> int:
@@ -71,12 +85,23 @@ class RequestHandle:
     def __init__(self, request: Request, wake: Callable[[], None] = lambda: None) -> None:
         self.request = request
         self._wake = wake
+        self.choices: list[RequestHandle] = [self]
+        """Every answer of the request (``request.n``), this one first; the others start when this
+        one's prompt is read, from the same states."""
+        self.pending: list[RequestHandle] = []
+        """The other answers not started yet (they fail with this one until then)."""
+        if request.n > 1:
+            self.pending = [RequestHandle(request.sibling(index), wake) for index in range(1, request.n)]
+            self.choices = [self, *self.pending]
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()
         self._finished = threading.Event()
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
         self._cancelled = threading.Event()
         self._listeners: list[Callable[[], None]] = []
+        self.logprobs: list = []
+        """Per token emitted so far, its :class:`~pckernels.generation.TokenLogprob` when the request
+        asked for log-probabilities (appended before the token is streamed)."""
 
     @property
     def id(self) -> int:
@@ -134,7 +159,9 @@ class RequestHandle:
 
     # -- the scheduler's side ------------------------------------------------------------------------
 
-    def _emit(self, token: int) -> None:
+    def _emit(self, token: int, logprob=None) -> None:
+        if logprob is not None:
+            self.logprobs.append(logprob)
         self._tokens.put(token)
         self._notify()
 
@@ -145,6 +172,9 @@ class RequestHandle:
         self._notify()
 
     def _fail(self, error: BaseException) -> None:
+        for sibling in self.pending:
+            sibling._fail(error)
+        self.pending = []
         self._error = error
         self._tokens.put(_DONE)
         self._finished.set()

@@ -60,6 +60,10 @@ class Runner(Protocol):
         """``handle``'s request made a running one; with its first token's logits ``[vocab]`` when
         its prompt is already read, else None (a step will read it)."""
 
+    def fork(self, lead: Running, handle: RequestHandle, choice: TokenChoice) -> Running:
+        """Another answer of ``lead``'s request (``n > 1``), from the states ``lead``'s prompt was
+        just read into; ``handle`` is its handle."""
+
     def admitted(self, active: Running) -> None:
         """``active`` joined the running requests (its first token did not end it)."""
 

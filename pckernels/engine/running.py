@@ -22,6 +22,20 @@ def own_rows(request: Request) -> int:
     return request.new_tokens + request.params.max_new_tokens - 1
 
 
+def admitted_rows(request: Request) -> int:
+    """Rows admitting a request may come to take: its new tokens once, and the decoded tokens of
+    each of its ``n`` answers."""
+    return own_rows(request) + (request.n - 1) * (request.params.max_new_tokens - 1)
+
+
+@dataclass(eq=False)
+class SharedRows:
+    """A prompt's rows read once and read by ``refs`` answers (``n > 1``): freed with the last."""
+
+    rows: list[int]
+    refs: int = 1
+
+
 @dataclass(eq=False)
 class Running:
     """A running request: what every runner tracks (module docstring)."""
@@ -85,6 +99,8 @@ class ArenaRequest(Running):
     shown_decoded: int = 0
     """Decoded-token rows already in ``own_visible`` (a rejected draft's rows stay there, hidden by
     position until the tokens at those positions overwrite them)."""
+    shared: SharedRows | None = None
+    """The prompt rows it shares with the other answers of its request (``n > 1``)."""
 
     @property
     def reading(self) -> bool:

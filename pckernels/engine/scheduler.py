@@ -314,14 +314,33 @@ class Scheduler:
     def _start(self, handle: RequestHandle) -> Running | None:
         """Place ``handle``'s request; a plain prompt is read here and chooses its first token
         (None when that already ends it)."""
-        request = handle.request
-        choice = TokenChoice(request.params, self.ctx.tokenizer, self.ctx.eos_ids,
-                             max_positions=self.ctx.max_positions, started=request.submitted)
-        active, logits = self.runner.start(handle, choice)
-        if logits is not None and not self.decoding.choose(active, logits):
+        active, logits = self.runner.start(handle, self._choice(handle))
+        if logits is not None and not self._read(active, logits):
             self._finish(active)
             return None
         return active
+
+    def _choice(self, handle: RequestHandle) -> TokenChoice:
+        request = handle.request
+        return TokenChoice(request.params, self.ctx.tokenizer, self.ctx.eos_ids, max_positions=self.ctx.max_positions,
+                           started=request.submitted)
+
+    def _read(self, active: Running, logits: torch.Tensor) -> bool:
+        """``active``'s prompt is read (``logits [vocab]``): its request's other answers start from
+        the same states (``n > 1``) and every answer chooses its first token; False when that ends
+        ``active`` (the caller finishes it)."""
+        pending, active.handle.pending = active.handle.pending, []
+        for handle in pending:
+            if handle.cancel_requested:
+                self.counters["cancelled"] += 1
+                handle._fail(RequestCancelled([]))
+                continue
+            child = self.runner.fork(active, handle, self._choice(handle))
+            if self.decoding.choose(child, logits):
+                self._running.append(child)
+            else:
+                self._finish(child)
+        return self.decoding.choose(active, logits)
 
     # -- a step -----------------------------------------------------------------------------------------
 
@@ -341,7 +360,7 @@ class Scheduler:
         for output in done.outputs:
             active = output.active
             if output.tokens is None:
-                going = self.decoding.choose(active, output.logits)
+                going = self._read(active, output.logits)
             else:
                 before = active.decoded_rows
                 going = self.decoding.verify(active, output.tokens, output.logits)

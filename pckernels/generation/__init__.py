@@ -5,11 +5,12 @@ A leaf: it imports nothing of promptcache's above :mod:`pckernels.errors`, so th
 the engine and the server all build on it without reaching into each other.
 """
 
-from pckernels.generation.choice import TokenChoice
+from pckernels.generation.choice import TokenChoice, TokenLogprob
 from pckernels.generation.result import GenerationResult
 from pckernels.generation.sampling import SamplingParams, make_generator, select_token
 from pckernels.generation.stops import StopChecker, eos_token_ids
 from pckernels.generation.text import TextStream
 
-__all__ = ["GenerationResult", "SamplingParams", "StopChecker", "TextStream", "TokenChoice", "eos_token_ids",
+__all__ = ["GenerationResult", "SamplingParams", "StopChecker", "TextStream", "TokenChoice", "TokenLogprob",
+           "eos_token_ids",
            "make_generator", "select_token"]

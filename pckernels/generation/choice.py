@@ -1,9 +1,12 @@
 """One request's token choices: the one decode loop's brain, whoever runs the forwards.
 
-A :class:`TokenChoice` takes the logits of each step, picks the next token by the request's
-:class:`~pckernels.generation.sampling.SamplingParams` (its own seeded RNG), and says when the
-generation ends: an end-of-sequence id, a stop string, ``max_new_tokens``, or the model's last
-position. The engine's scheduler keeps one per running request; the single-caller
+A :class:`TokenChoice` takes the logits of each step, adjusts them as the request asks (logit
+bias, presence and frequency penalties, a grammar's mask of the tokens it allows), picks the next
+token by the request's :class:`~pckernels.generation.sampling.SamplingParams` (its own seeded
+RNG), records its log-probability and the top alternatives when asked (from the adjusted logits,
+the ones the choice was made from), and says when the generation ends: an end-of-sequence id, a
+stop string, ``max_new_tokens``, or the model's last position. A draft token the grammar forbids
+is never chosen, so lookahead rejects it. The engine's scheduler keeps one per running request; the single-caller
 :class:`~pckernels.prefix.PrefixCache` keeps one for its own loop. Both build their
 :class:`~pckernels.generation.result.GenerationResult` with :meth:`TokenChoice.result`.
 """
@@ -11,12 +14,22 @@ position. The engine's scheduler keeps one per running request; the single-calle
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from pckernels.generation.result import GenerationResult
 from pckernels.generation.sampling import SamplingParams, make_generator, select_token
 from pckernels.generation.stops import StopChecker
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability and the ``top`` alternatives ``(token, logprob)``, best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class TokenChoice:
@@ -38,7 +51,12 @@ class TokenChoice:
         self.stopper = StopChecker(tokenizer, list(params.stop) if tokenizer is not None else [], eos_ids)
         self.token_ids: list[int] = []
         self.first_logits: torch.Tensor | None = None
-        """float32 ``[vocab]`` (CPU): the logits that chose the first token."""
+        """float32 ``[vocab]`` (CPU): the model's logits before the first token was chosen (before any
+        adjustment: what exactness is judged on)."""
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.matcher = params.grammar.matcher() if params.grammar is not None else None
+        self._counts: torch.Tensor | None = None
+        """Generated tokens per id ``[vocab]`` (float), for the penalties."""
         self.ttft = 0.0
         self.finish_reason: str | None = None
         """``"eos"``, ``"stop"`` or ``"length"`` once the generation has ended, else None."""
@@ -58,13 +76,20 @@ class TokenChoice:
     def choose(self, logits: torch.Tensor, next_position: int) -> int:
         """Pick the next token from ``logits [vocab]`` and return it; ``next_position`` is where it
         would be forwarded. Sets :attr:`finish_reason` when the generation ends with it."""
-        scores = logits.float()
+        raw = logits.float()
+        scores = self._adjust(raw) if self.params.adjusts else raw
         token = select_token(scores, temperature=self.params.temperature, top_p=self.params.top_p,
                              generator=self.generator)
         if not self.token_ids:
-            self.first_logits = scores.cpu()
+            self.first_logits = raw.cpu()
             self.ttft = time.perf_counter() - self.started
+        if self.logprobs is not None:
+            self.logprobs.append(_logprob(scores, token, self.params.logprobs))
         self.token_ids.append(token)
+        if self._counts is not None:
+            self._counts[token] += 1
+        if self.matcher is not None:
+            self.matcher.accept(token)
         done, reason = self.stopper.check(self.token_ids)
         if not done and (len(self.token_ids) >= self.params.max_new_tokens
                          or (self.max_positions is not None and next_position >= self.max_positions)):
@@ -72,6 +97,24 @@ class TokenChoice:
         if done:
             self.finish_reason = reason
         return token
+
+    def _adjust(self, raw: torch.Tensor) -> torch.Tensor:
+        """``raw [vocab]`` with the logit bias, penalties and grammar mask applied (a new tensor)."""
+        params = self.params
+        scores = raw.clone()
+        if params.logit_bias:
+            ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=scores.device)
+            keep = ids < scores.shape[0]
+            values = torch.tensor([b for _, b in params.logit_bias], dtype=scores.dtype, device=scores.device)
+            scores.index_add_(0, ids[keep], values[keep])
+        if params.presence_penalty or params.frequency_penalty:
+            if self._counts is None:
+                self._counts = torch.zeros_like(scores)
+            scores -= params.frequency_penalty * self._counts + params.presence_penalty * (self._counts > 0)
+        if self.matcher is not None:
+            allowed = self.matcher.allowed(scores.shape[0]).to(scores.device)
+            scores.masked_fill_(~allowed, float("-inf"))
+        return scores
 
     def text(self) -> str:
         """The answer's text, cut at the first stop string (``""`` without a tokenizer)."""
@@ -86,4 +129,15 @@ class TokenChoice:
             text=self.text(), token_ids=self.token_ids, prompt_token_ids=list(prompt_token_ids),
             positions=list(positions), ttft_s=self.ttft, total_s=time.perf_counter() - self.started,
             cached_tokens=cached_tokens, computed_tokens=computed_tokens, first_logits=self.first_logits,
-            mode=mode, finish_reason=self.finish_reason or "length")
+            mode=mode, finish_reason=self.finish_reason or "length",
+            logprobs=list(self.logprobs) if self.logprobs is not None else None)
+
+
+def _logprob(scores: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s log-probability under ``scores [vocab]`` and the ``top`` best alternatives."""
+    logprobs = torch.log_softmax(scores, dim=-1)
+    best = ()
+    if top:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[0]))
+        best = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), best)

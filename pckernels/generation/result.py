@@ -14,7 +14,9 @@ class GenerationResult:
     ``positions``: position ids of the prompt tokens (``prompt_token_ids``) as the model saw them.
     ``ttft_s``: seconds from receiving the prompt to the first token chosen (parse, lookup,
     assembly, forward, sampling; synchronised on GPU). ``first_logits``: float32 ``[vocab]``
-    logits that chose the first token.
+    logits the model gave before the first token (before any logit bias, penalty or grammar).
+    ``logprobs``: per chosen token, its log-probability and the top alternatives, when asked
+    (``SamplingParams.logprobs``; :class:`~pckernels.generation.choice.TokenLogprob`).
     """
 
     text: str
@@ -28,6 +30,7 @@ class GenerationResult:
     first_logits: torch.Tensor = field(repr=False)
     mode: str = "cached"
     finish_reason: str = "length"
+    logprobs: list | None = None
 
     def to_dict(self, *, logits: bool = False) -> dict:
         """JSON-ready fields (``first_logits`` only when ``logits``)."""

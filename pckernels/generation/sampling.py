@@ -3,20 +3,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask for per token (OpenAI's ``top_logprobs`` limit)."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen and when generation stops."""
+    """How tokens are chosen and when generation stops.
+
+    ``logit_bias``: ``(token, bias)`` pairs added to the logits (bias in [-100, 100]);
+    ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]): subtracted, per token, once if it
+    was generated / per time it was, as OpenAI defines them; ``logprobs``: record the chosen token's
+    log-probability and this many alternatives per token (``None``: none); ``grammar``: a compiled
+    constraint (:mod:`pckernels.generation.grammar`) every chosen token must follow.
+    """
 
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -24,13 +41,32 @@ class SamplingParams:
         if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got temperature={self.temperature}, "
                              f"top_p={self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias takes token ids >= 0 with biases between -100 and 100, got "
+                                 f"{token}: {bias}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are changed before choosing (bias, penalties or a grammar)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.grammar is not None)
 
     @classmethod
     def of(cls, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-           stop: str | list[str] | tuple[str, ...] | None = None, seed: int | None = None) -> "SamplingParams":
-        """The parameters of the public API's arguments (``stop`` as one string or several)."""
+           stop: str | list[str] | tuple[str, ...] | None = None, seed: int | None = None, *,
+           logit_bias: Mapping[int, float] | None = None, presence_penalty: float = 0.0,
+           frequency_penalty: float = 0.0, logprobs: int | None = None, grammar: Any = None) -> "SamplingParams":
+        """The parameters of the public API's arguments (``stop`` as one string or several,
+        ``logit_bias`` as a mapping)."""
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        return cls(max_new_tokens, temperature, top_p, stops, seed)
+        bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
+        return cls(max_new_tokens, temperature, top_p, stops, seed, bias, presence_penalty, frequency_penalty,
+                   logprobs, grammar)
 
 
 def select_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0,

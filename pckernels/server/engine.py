@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, Callable, Protocol
 
 from pckernels.engine.request import Request, RequestHandle
@@ -31,13 +32,19 @@ class ServingEngine(Protocol):
 
     def request(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                 stop: str | list[str] | None = None, seed: int | None = None, recompute: float = 0.0,
-                recompute_policy: str = "first", deadline_s: float | None = None, salt: str = "") -> Request:
+                recompute_policy: str = "first", deadline_s: float | None = None, salt: str = "",
+                logit_bias: Mapping[int, float] | None = None, presence_penalty: float = 0.0,
+                frequency_penalty: float = 0.0, logprobs: int | None = None, grammar: Any = None,
+                n: int = 1) -> Request:
         """Parse and plan a PML prompt against ``salt``'s schemas; bad input raises and changes nothing."""
 
     def complete_request(self, prompt: str | list[int] | list[dict[str, str]], *, max_new_tokens: int = 64,
                          reuse: bool = True, temperature: float = 0.0, top_p: float = 1.0,
                          stop: str | list[str] | None = None, seed: int | None = None,
-                         deadline_s: float | None = None, salt: str = "") -> Request:
+                         deadline_s: float | None = None, salt: str = "",
+                         logit_bias: Mapping[int, float] | None = None, presence_penalty: float = 0.0,
+                         frequency_penalty: float = 0.0, logprobs: int | None = None, grammar: Any = None,
+                         n: int = 1) -> Request:
         """A plain prompt (text, token ids or chat messages) as a request with exact prefix reuse."""
 
     def submit(self, request: Request) -> RequestHandle:

@@ -10,6 +10,7 @@ request (text deltas come from :class:`pckernels.generation.text.TextStream`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 
 from fastapi import Request
@@ -27,14 +28,15 @@ __all__ = ["Watcher", "generate"]
 
 
 class Watcher:
-    """Awaits the tokens of one :class:`RequestHandle` on ``loop``; records when each arrived."""
+    """Awaits the tokens of one :class:`RequestHandle` on ``loop``; records when each arrived.
+    Watchers of one request's several answers share ``event`` (set when any of them moves)."""
 
-    def __init__(self, handle: RequestHandle, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, handle: RequestHandle, loop: asyncio.AbstractEventLoop, event: asyncio.Event | None = None) -> None:
         self.handle = handle
         self.loop = loop
         self.times: list[float] = []
         """``perf_counter()`` of each notification (one per token, then one at the end)."""
-        self._event = asyncio.Event()
+        self._event = event or asyncio.Event()
         handle.add_listener(self._poke)
 
     def _poke(self) -> None:
@@ -74,44 +76,56 @@ class Watcher:
 
 async def generate(state: ServerState, http: Request, body, who: Tenant, *, chat: bool):
     """Answer a chat (``chat``) or completion ``body`` from tenant ``who``: the whole reply, an SSE
-    stream, or 499 when the client went away first."""
+    stream, or 499 when the client went away first. Every prompt of the body (completions take
+    several) gives ``n`` answers, read once."""
     arrival = time.perf_counter()
     endpoint = "chat" if chat else "completions"
     body.check_supported()
     state.check_model(body.model)
-    request = await asyncio.to_thread(_build, state, body, who, chat)
+    requests = await asyncio.to_thread(_build, state, body, who, chat)
+    handles: list[RequestHandle] = []
     try:
-        handle = state.engine.submit(request)
+        for request in requests:
+            handles += state.engine.submit(request).choices
     except SUBMIT_ERRORS as exc:
-        raise submit_error(exc) from None
-    watcher = Watcher(handle, asyncio.get_running_loop())
-    info = http.scope.setdefault("state", {})
-    info["engine_request"] = handle.id
-    reply = Reply(state.fingerprint, endpoint, body, chat)
-    if body.stream:
-        return StreamingResponse(_stream(state, watcher, reply, body, arrival, info), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    while not handle.done:
-        await watcher.wait(0.25)
-        if not handle.done and await http.is_disconnected():
+        for handle in handles:
             handle.cancel()
-            state.metrics.cancelled.inc()
-            info["cancelled"] = True
-            return Response(status_code=499)
+        raise submit_error(exc) from None
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    watchers = [Watcher(handle, loop, event) for handle in handles]
+    info = http.scope.setdefault("state", {})
+    info["engine_request"] = handles[0].id
+    reply = Reply(state.fingerprint, endpoint, body, chat, state.engine.tokenizer)
+    if body.stream:
+        return StreamingResponse(_stream(state, watchers, reply, body, arrival, info), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    for watcher in watchers:
+        while not watcher.handle.done:
+            await watcher.wait(0.25)
+            if not watcher.handle.done and await http.is_disconnected():
+                for handle in handles:
+                    handle.cancel()
+                state.metrics.cancelled.inc()
+                info["cancelled"] = True
+                return Response(status_code=499)
     try:
-        result = handle.result(timeout=0)
+        results = [handle.result(timeout=0) for handle in handles]
     except BaseException as exc:
         raise run_error(exc) from None
-    _observe(state, endpoint, result, watcher, arrival, info)
-    return reply.complete(result)
+    for result, watcher in zip(results, watchers):
+        _observe(state, endpoint, result, watcher, arrival, info)
+    return reply.complete(results)
 
 
-def _build(state: ServerState, body, who: Tenant, chat: bool):
-    """The engine request of ``body`` (in a worker thread); input errors become APIErrors."""
+def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
+    """The engine requests of ``body``, one per prompt (in a worker thread); input errors become APIErrors."""
     engine = state.engine
     options = dict(temperature=1.0 if body.temperature is None else body.temperature,
                    top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops() or None, seed=body.seed,
-                   deadline_s=body.timeout_s or state.request_timeout, salt=who.salt)
+                   deadline_s=body.timeout_s or state.request_timeout, salt=who.salt,
+                   logit_bias=body.bias(len(engine.tokenizer)), presence_penalty=body.presence_penalty or 0.0,
+                   frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.logprob_count())
     limit = body.limit(state.default_max_tokens) if chat else body.max_tokens
     plain = (chat and body.messages) or (not chat and body.prompt not in (None, "", []))
     try:
@@ -119,17 +133,20 @@ def _build(state: ServerState, body, who: Tenant, chat: bool):
             if plain:
                 raise APIError(400, "give either pml or " + ("messages" if chat else "prompt") + ", not both",
                                param="pml")
-            return engine.request(body.pml, max_new_tokens=limit, recompute=body.recompute,
-                                  recompute_policy=body.recompute_policy, **options)
+            return [engine.request(body.pml, max_new_tokens=limit, recompute=body.recompute,
+                                   recompute_policy=body.recompute_policy, n=body.n, **options)]
         if not plain:
             raise APIError(400, ("messages" if chat else "prompt") + " must not be empty (or give a PML prompt "
                            "in the 'pml' field)", param="messages" if chat else "prompt")
         if chat:
-            prompt = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                      for m in body.messages]
+            prompts = [[{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in body.messages]]
         else:
-            prompt = _completion_prompt(body.prompt)
-        return engine.complete_request(prompt, max_new_tokens=limit, reuse=body.cache, **options)
+            prompts = _completion_prompts(body.prompt)
+        if body.cache_salt is not None:
+            options["salt"] = cache_salt(who.salt, body.cache_salt)
+        return [engine.complete_request(prompt, max_new_tokens=limit, reuse=body.cache, n=body.n, **options)
+                for prompt in prompts]
     except APIError:
         raise
     except Exception as exc:
@@ -140,45 +157,75 @@ def _build(state: ServerState, body, who: Tenant, chat: bool):
         raise error from None
 
 
-def _completion_prompt(prompt):
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise APIError(400, "one prompt per request (n=1)", param="prompt")
-        return prompt[0]
-    return prompt
+def cache_salt(tenant_salt: str, salt: str) -> str:
+    """The prefix-cache namespace of a request with vLLM's ``cache_salt``: its tenant's and its own."""
+    return f"{tenant_salt}|cache_salt:{hashlib.sha256(salt.encode()).hexdigest()[:32]}"
 
 
-async def _stream(state: ServerState, watcher: Watcher, reply: Reply, body, arrival: float, info: dict):
-    handle = watcher.handle
-    text = TextStream(state.engine.tokenizer, body.stops())
+MAX_PROMPTS = 64
+"""Prompts one completions request may hold."""
+
+
+def _completion_prompts(prompt) -> list:
+    """A completions ``prompt``: text, token ids, several texts or several lists of token ids."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        return list(prompt)
+    return [prompt]
+
+
+async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, body, arrival: float, info: dict):
+    """Server-sent events of every answer as its tokens come (a chunk names its choice's ``index``),
+    then each answer's end, usage when asked, and ``[DONE]``."""
+    handles = [w.handle for w in watchers]
+    texts = [TextStream(state.engine.tokenizer, body.stops()) for _ in handles]
+    sent = [0] * len(handles)
+    results: list = [None] * len(handles)
+    event = watchers[0]._event
     try:
         if reply.chat:
-            yield reply.sse(reply.chunk({"role": "assistant", "content": ""}))
-        while True:
-            tokens = await watcher.tokens(timeout=None)
-            if tokens is None:
-                break
-            delta = text.push(tokens)
-            if delta:
-                yield reply.sse(reply.chunk(delta))
-        try:
-            result = handle.result(timeout=0)
-        except BaseException as exc:
-            error = run_error(exc)
-            info["error"] = error.code
-            yield reply.sse(error.body())
-            return
-        rest = text.finish(result.text)
-        if rest:
-            yield reply.sse(reply.chunk(rest))
-        yield reply.sse(reply.chunk(None, finish_reason=finish_reason(result.finish_reason)))
+            for index in range(len(handles)):
+                yield reply.sse(reply.chunk({"role": "assistant", "content": ""}, index=index))
+        while any(r is None for r in results):
+            moved = False
+            for index, handle in enumerate(handles):
+                if results[index] is not None:
+                    continue
+                done = handle.done
+                tokens = handle.take()
+                if tokens:
+                    moved = True
+                    delta = texts[index].push(tokens)
+                    if delta or reply.wants_logprobs:
+                        records = handle.logprobs[sent[index]:sent[index] + len(tokens)]
+                        sent[index] += len(tokens)
+                        yield reply.sse(reply.chunk(delta, records=records, index=index))
+                if done and not tokens:
+                    moved = True
+                    try:
+                        results[index] = result = handle.result(timeout=0)
+                    except BaseException as exc:
+                        error = run_error(exc)
+                        info["error"] = error.code
+                        yield reply.sse(error.body())
+                        return
+                    rest = texts[index].finish(result.text)
+                    if rest:
+                        yield reply.sse(reply.chunk(rest, index=index))
+                    yield reply.sse(reply.chunk(None, finish_reason=finish_reason(result.finish_reason), index=index))
+            if not moved:
+                await event.wait()
+                event.clear()
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield reply.sse(reply.usage_chunk(result))
+            yield reply.sse(reply.usage_chunk(results))
         yield "data: [DONE]\n\n"
-        _observe(state, reply.endpoint, result, watcher, arrival, info)
+        for result, watcher in zip(results, watchers):
+            _observe(state, reply.endpoint, result, watcher, arrival, info)
     finally:
-        if not handle.done:
-            handle.cancel()
+        if not all(handle.done for handle in handles):
+            for handle in handles:
+                handle.cancel()
             state.metrics.cancelled.inc()
             info["cancelled"] = True
 

@@ -1,9 +1,9 @@
 """The OpenAI request bodies the server accepts (pydantic), and its error type.
 
-Fields the server does not implement are refused with a 400 naming them rather than silently
-ignored when they would change the answer (``n > 1``, ``logprobs``, penalties, ``echo``); fields
-that do not (``user``, ``metadata``, …) are accepted and ignored. The promptcache extension
-fields ride in the same bodies (the ``openai`` client sends them with ``extra_body``):
+Every field is honoured, refused with a 400 naming it, or — when it cannot change the answer
+(``user``, ``metadata``, ``store``, ``service_tier``) — accepted and ignored; a field the server
+does not know is refused, never dropped (``docs/server.md`` lists them all). The promptcache
+extension fields ride in the same bodies (the ``openai`` client sends them with ``extra_body``):
 
 * ``pml``: a PML ``<prompt>`` used instead of ``messages`` / ``prompt``;
 * ``timeout_s``: a deadline for this request (the server's ``--request-timeout`` otherwise);
@@ -16,6 +16,15 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16
+"""Answers one request may ask for."""
+IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
+"""Fields accepted and ignored: they cannot change an answer."""
+NOT_YET = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+           "prediction", "modalities", "audio", "reasoning_effort", "web_search_options", "guided_json",
+           "guided_regex", "guided_grammar")
+"""Fields OpenAI or vLLM clients send that this server does not honour: refused with a 400."""
 
 
 class APIError(Exception):
@@ -76,10 +85,12 @@ class _Sampling(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logprobs: Any = None
-    user: str | None = None
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    """vLLM's per-request cache namespace: a plain prompt's prefix blocks are shared only with
+    requests of the same tenant and the same ``cache_salt``."""
     pml: str | None = None
     timeout_s: float | None = Field(default=None, gt=0.0)
     cache: bool = True
@@ -88,15 +99,40 @@ class _Sampling(BaseModel):
     recompute_policy: Literal["first", "deviation", "epic"] = "first"
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
-        if self.presence_penalty or self.frequency_penalty:
-            raise APIError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        extra = sorted(set(self.model_extra or {}) - IGNORED)
+        if extra:
+            known = [name for name in extra if name in NOT_YET]
+            name = (known or extra)[0]
+            why = "is not supported by this server" if known else "is not a field this server knows"
+            raise APIError(400, f"{name!r} {why}; it would change the answer, so it is refused rather than "
+                           "ignored", param=name, code="unsupported_field")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be between 1 and {MAX_N}", param="n")
+        if self.pml is not None and self.cache_salt is not None:
+            raise APIError(400, "cache_salt applies to plain prompts; PML schemas are isolated per tenant",
+                           param="cache_salt")
         stops = self.stops()
         if len(stops) > 4 or any(not s for s in stops):
             raise APIError(400, "stop takes up to 4 non-empty strings", param="stop")
+
+    def bias(self, vocab: int) -> dict[int, float] | None:
+        """``logit_bias`` as token ids (keys are token ids as strings); 400 for a key that is not one."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit() or int(key) >= vocab:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id of this model (0 to {vocab - 1})",
+                               param="logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise APIError(400, f"logit_bias values must be between -100 and 100, got {value}",
+                               param="logit_bias")
+            out[int(key)] = value
+        return out
+
+    def logprob_count(self) -> int | None:
+        """Alternatives to record per token (``None``: no log-probabilities)."""
+        raise NotImplementedError
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -106,6 +142,16 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(default_factory=list)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -117,11 +163,34 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo or self.suffix or (self.best_of or 1) != 1:
             raise APIError(400, "echo, suffix and best_of are not supported", param="echo")
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` as vLLM serves it: a ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 class SchemaUpload(BaseModel):

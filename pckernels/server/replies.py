@@ -6,6 +6,8 @@ import json
 import time
 import uuid
 
+from pckernels.server.logprobs import chat_logprobs, completion_logprobs
+
 
 def finish_reason(reason: str) -> str:
     """OpenAI's finish reason for the engine's (``length``, else ``stop``)."""
@@ -15,51 +17,79 @@ def finish_reason(reason: str) -> str:
 class Reply:
     """The bodies answering one chat (``chat``) or completion request; ``endpoint`` labels its metrics."""
 
-    def __init__(self, fingerprint: str, endpoint: str, body, chat: bool) -> None:
+    def __init__(self, fingerprint: str, endpoint: str, body, chat: bool, tokenizer=None) -> None:
         self.fingerprint, self.endpoint, self.chat = fingerprint, endpoint, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.model = body.model
+        self.tokenizer = tokenizer
+        self.n = body.n
+        self.wants_logprobs = body.logprob_count() is not None
+        self._offset = 0
+
+    def logprobs(self, records) -> dict | None:
+        """The ``logprobs`` of a choice holding ``records`` (None when the request asked for none)."""
+        if not self.wants_logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(records, self.tokenizer)
+        out = completion_logprobs(records, self.tokenizer, self._offset)
+        self._offset += sum(len(t) for t in out["tokens"])
+        return out
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}
 
-    @staticmethod
-    def usage(result) -> dict:
-        prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+    def usage(self, results: list) -> dict:
+        """Tokens of every prompt (once, however many answers it had: results come ``n`` per prompt)
+        and of every answer."""
+        prompts = results[::self.n]
+        prompt = sum(len(r.prompt_token_ids) for r in prompts)
+        completion = sum(len(r.token_ids) for r in results)
+        cached = sum(r.cached_tokens for r in prompts)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     @staticmethod
-    def extension(result) -> dict:
-        return {"mode": result.mode, "cached_tokens": result.cached_tokens,
-                "computed_tokens": result.computed_tokens, "ttft_s": round(result.ttft_s, 6),
-                "finish_reason": result.finish_reason}
+    def extension(results: list) -> dict:
+        first = results[0]
+        return {"mode": first.mode, "cached_tokens": first.cached_tokens,
+                "computed_tokens": sum(r.computed_tokens for r in results), "ttft_s": round(first.ttft_s, 6),
+                "finish_reason": first.finish_reason}
 
-    def complete(self, result) -> dict:
-        reason = finish_reason(result.finish_reason)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text, "refusal": None},
-                      "finish_reason": reason, "logprobs": None}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": reason, "logprobs": None}
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": self.usage(result), "promptcache": self.extension(result)}
+    def complete(self, results: list) -> dict:
+        """The whole answer: one choice per result, in order."""
+        choices = []
+        for index, result in enumerate(results):
+            reason = finish_reason(result.finish_reason)
+            logprobs = self.logprobs(result.logprobs or [])
+            self._offset = 0
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": result.text,
+                                                            "refusal": None},
+                                "finish_reason": reason, "logprobs": logprobs})
+            else:
+                choices.append({"index": index, "text": result.text, "finish_reason": reason, "logprobs": logprobs})
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        return {**head, "choices": choices, "usage": self.usage(results), "promptcache": self.extension(results)}
 
-    def chunk(self, delta, finish_reason: str | None = None) -> dict:
+    def chunk(self, delta, finish_reason: str | None = None, records=None, index: int = 0) -> dict:
+        """A stream chunk of choice ``index``: ``delta`` text (a dict for chat's first chunk), the
+        ``records`` of the tokens it carries (their log-probabilities, when asked)."""
+        logprobs = self.logprobs(records) if records else None
         if self.chat:
             content = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": content, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": index, "delta": content, "finish_reason": finish_reason, "logprobs": logprobs}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "text": delta or "", "finish_reason": finish_reason, "logprobs": logprobs}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, result) -> dict:
+    def usage_chunk(self, results: list) -> dict:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return {**head, "choices": [], "usage": self.usage(result), "promptcache": self.extension(result)}
+        return {**head, "choices": [], "usage": self.usage(results), "promptcache": self.extension(results)}
 
     @staticmethod
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+

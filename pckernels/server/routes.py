@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from pckernels.errors import PMLError
 from pckernels.server.errors import no_schema, pml_error, validation_message
 from pckernels.server.generation import generate
-from pckernels.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SchemaUpload
+from pckernels.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       SchemaUpload, TokenizeRequest)
 from pckernels.server.schemas import ENCODING, FAILED
 from pckernels.server.state import ServerState
 from pckernels.server.tenants import Tenant
@@ -61,6 +62,39 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, who: Tenant = Depends(tenant)):
         return await generate(state, request, body, who, chat=False)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, _: Tenant = Depends(tenant)):
+        if body.model is not None:
+            state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        tokenizer = state.engine.tokenizer
+        try:
+            if body.prompt is not None:
+                ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+            else:
+                messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                            for m in body.messages]
+                text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
+                                               add_generation_prompt=body.add_generation_prompt)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        except APIError:
+            raise
+        except Exception as exc:  # the tokenizer's or the template's own refusal
+            raise APIError(400, f"cannot tokenize: {exc}", param="messages" if body.messages else "prompt") from None
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": state.engine.max_positions}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, _: Tenant = Depends(tenant)):
+        if body.model is not None:
+            state.check_model(body.model)
+        tokenizer = state.engine.tokenizer
+        bad = [t for t in body.tokens if not 0 <= t < len(tokenizer)]
+        if bad:
+            raise APIError(400, f"token ids out of the vocabulary (0 to {len(tokenizer) - 1}): {bad[:5]}",
+                           param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.post("/v1/schemas")
     async def upload_schema(request: Request, who: Tenant = Depends(tenant)):

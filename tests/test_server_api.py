@@ -1,0 +1,190 @@
+"""The OpenAI fields a vLLM user sends daily, through a real ``promptcache serve`` and the ``openai``
+client: logprobs (chat and completions, streamed and whole), logit_bias, presence and frequency
+penalties, cache_salt, /tokenize and /detokenize — each against the library's own answer — and
+every field the server does not honour refused with a 400 naming it, never dropped."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import openai
+import pytest
+
+from pckernels.engine import PromptCache
+from pckernels.prefix import encode_prompt
+from test_engine import tiny_llama, tokenizer  # noqa: F401  (tokenizer is a fixture)
+from test_server import COMMON, MODEL, Server
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):  # noqa: F811
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    tiny_llama(len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def library(model_dir):
+    engine = PromptCache.from_pretrained(str(model_dir), device="cpu", dtype="float32", store_dir=False)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("api"), "--model", str(model_dir), *COMMON)
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+def test_chat_logprobs_are_the_librarys(server, library):
+    client = server.client()
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    ref = library.complete(MESSAGES, max_new_tokens=8, logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == len(ref.token_ids) == len(ref.logprobs)
+    for entry, record in zip(content, ref.logprobs):
+        assert entry.logprob == pytest.approx(record.logprob, abs=1e-5)
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5), "greedy: the best is chosen"
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    assert sum(math.exp(t.logprob) for t in content[0].top_logprobs) <= 1.0 + 1e-6
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_streamed_logprobs_cover_every_token(server, library):
+    client = server.client()
+    ref = library.complete(MESSAGES, max_new_tokens=10, logprobs=2)
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    entries, text = [], ""
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            entries += chunk.choices[0].logprobs.content
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+    assert text == ref.text
+    assert [round(e.logprob, 4) for e in entries] == [round(r.logprob, 4) for r in ref.logprobs]
+
+
+def test_completion_logprobs_shape(server, library):
+    client = server.client()
+    reply = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                      logprobs=2)
+    ref = library.complete("Once upon a time", max_new_tokens=6, logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert logprobs.token_logprobs == pytest.approx([r.logprob for r in ref.logprobs], abs=1e-5)
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+
+
+def test_logit_bias_and_penalties_change_the_answer_as_the_library_does(server, library, tokenizer):  # noqa: F811
+    client = server.client()
+    plain = library.complete(MESSAGES, max_new_tokens=6)
+    banned = plain.token_ids[0]
+    forced = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" blue"))[0]
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                           logit_bias={str(banned): -100, str(forced): 100})
+    ref = library.complete(MESSAGES, max_new_tokens=6, logit_bias={banned: -100, forced: 100})
+    assert ref.token_ids[0] == forced and banned not in ref.token_ids
+    assert reply.choices[0].message.content == ref.text
+    for penalty in ({"frequency_penalty": 1.5}, {"presence_penalty": -1.0}):
+        reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                               **penalty)
+        assert reply.choices[0].message.content == library.complete(MESSAGES, max_new_tokens=12, **penalty).text
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logit_bias={"colour": 1})
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, frequency_penalty=3)
+
+
+def test_cache_salt_separates_prefix_reuse(server):
+    client = server.client()
+    long = [{"role": "system", "content": "You answer from the ledger. " + "Entry: one barrel of oil. " * 40},
+            {"role": "user", "content": "How many barrels?"}]
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt else {}
+        return client.chat.completions.create(model=MODEL, messages=long, max_tokens=2, temperature=0,
+                                              extra_body=extra).usage.prompt_tokens_details.cached_tokens
+
+    cached("alpha")
+    assert cached("alpha") > 0
+    assert cached("beta") == 0, "another cache_salt shares nothing"
+    assert cached(None) == 0, "no cache_salt shares nothing with a salted request"
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=2, extra_body={
+            "cache_salt": "alpha", "pml": '<prompt schema="s"><m/></prompt>'})
+
+
+@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}),
+                                          ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("tool_choice", "required"), ("guided_json", {}), ("frobnicate", 1)])
+def test_fields_the_server_does_not_honour_are_refused(server, field, value):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, field: value}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == field and field in error["message"] and error["code"] == "unsupported_field"
+
+
+def test_ignored_fields_change_nothing(server, library):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "user": "u-1",
+            "metadata": {"a": "b"}, "store": False}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert reply.status_code == 200
+    assert reply.json()["choices"][0]["message"]["content"] == library.complete(MESSAGES, max_new_tokens=6).text
+
+
+def test_tokenize_and_detokenize(server, tokenizer):  # noqa: F811
+    text = "Once upon a time"
+    got = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=30).json()
+    assert got["tokens"] == tokenizer(text)["input_ids"] and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] > 0
+    chat = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}, timeout=30).json()
+    assert chat["tokens"] == encode_prompt(tokenizer, MESSAGES), "as the engine reads a chat"
+    back = httpx.post(server.url + "/detokenize", json={"tokens": got["tokens"]}, timeout=30).json()
+    assert back["prompt"] == tokenizer.decode(got["tokens"])
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10 ** 9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    neither = httpx.post(server.url + "/tokenize", json={}, timeout=30)
+    assert neither.status_code == 400
+
+
+def test_n_answers_read_the_prompt_once(server, library):
+    client = server.client()
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0.8, seed=11,
+                                           n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    expected = [library.complete(MESSAGES, max_new_tokens=6, temperature=0.8, seed=11 + i).text for i in range(3)]
+    assert [c.message.content for c in reply.choices] == expected
+    prompt = len(library.complete_request(MESSAGES).prompt_token_ids)
+    assert reply.usage.prompt_tokens == prompt
+    assert reply.usage.completion_tokens == sum(len(library.complete(MESSAGES, max_new_tokens=6, temperature=0.8,
+                                                                     seed=11 + i).token_ids) for i in range(3))
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0.8, seed=11,
+                                            n=3, stream=True)
+    texts = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == expected
+
+
+def test_several_prompts_per_completion(server, library):
+    client = server.client()
+    prompts = ["Once upon a time", "The river"]
+    reply = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert len(reply.choices) == 4
+    for index, choice in enumerate(reply.choices):
+        assert choice.index == index
+        assert choice.text == library.complete(prompts[index // 2], max_new_tokens=5).text
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=99)
