@@ -12,7 +12,8 @@ the byte-level ChatML tokenizer (one token per byte of text). Everything runs th
 * **time to first token** of a document prompt of each length: reuse off; first pass with reuse on
   (it stores the blocks); the exact repeat; the same document with a new question; a middle
   edit, first request and repeated; the chat's second turn (the answer and a new question);
-* **decode** tokens/s with reuse off and on (the same requests, interleaved);
+* **decode** tokens/s with reuse off and on (the same requests, ``--decode-rounds`` interleaved
+  rounds, medians);
 * **cold read per chunk size**: reuse off at the first length, for each ``--chunks`` block size
   (the cost of reading in fixed chunks so that reuse resumes exactly);
 * **server**: ``promptcache serve`` on the model, ``--clients`` clients each holding a
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -76,7 +79,7 @@ def same(a, b) -> bool:
     return a.token_ids == b.token_ids and torch.equal(a.first_logits, b.first_logits)
 
 
-def ttft_table(engine: PromptCache, length: int, decode_tokens: int) -> dict:
+def ttft_table(engine: PromptCache, length: int, decode_tokens: int, rounds: int = 3) -> dict:
     """The seed's rows for one prompt length (module docstring); each length its own document, so no
     length reuses another's blocks."""
     doc = document(length, seed=length)
@@ -105,13 +108,14 @@ def ttft_table(engine: PromptCache, length: int, decode_tokens: int) -> dict:
                                    "exact": same(on, off)}
     rates: dict[str, list[float]] = {"off": [], "on": []}
     decoded = {}
-    for _ in range(2):
+    for _ in range(rounds):
         for mode in ("off", "on"):
             result = engine.complete(first, max_new_tokens=decode_tokens, reuse=mode == "on")
             decoded[mode] = result
             if len(result.token_ids) > 1:
                 rates[mode].append((len(result.token_ids) - 1) / max(result.total_s - result.ttft_s, 1e-9))
-    row["decode"] = {mode: max(r) if r else None for mode, r in rates.items()}
+    row["decode"] = {mode: statistics.median(r) if r else None for mode, r in rates.items()}
+    row["decode"]["rounds"] = {mode: r for mode, r in rates.items()}
     row["decode"]["tokens"] = len(decoded["on"].token_ids)
     row["decode"]["exact"] = decoded["on"].token_ids == decoded["off"].token_ids
     return row
@@ -192,6 +196,7 @@ def summary(results: dict) -> str:
             ratio = d["on"] / d["off"] if d["on"] and d["off"] else float("nan")
             lines.append(f"| {row['prompt_tokens']} | {d['off'] or 0:.1f} | {d['on'] or 0:.1f} | {ratio:.3f} | "
                          f"{d['tokens']} | {'yes' if d['exact'] else 'NO'} |")
+        lines.append(f"\nPeak resident memory of the process after {family}: {data.get('peak_rss_gib', 0):.1f} GiB")
         if data.get("chunks"):
             lines += ["", f"Cold read of {data['chunk_tokens']} tokens by chunk size: " + ", ".join(
                 f"{size}: {seconds:.2f} s" for size, seconds in data["chunks"].items())]
@@ -215,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--server-tokens", type=int, default=2048)
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -237,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.complete(chat(document(2 * args.block), "warm up"), max_new_tokens=2, reuse=False)
             for length in args.lengths:
                 progress.update(task, description=f"{family} {length}")
-                data["lengths"][length] = ttft_table(engine, length, args.decode_tokens)
+                data["lengths"][length] = ttft_table(engine, length, args.decode_tokens, args.decode_rounds)
                 progress.advance(task)
                 (out_dir / "hybrid.json").write_text(json.dumps(results | {"partial": family}, indent=1))
             engine.close()
@@ -252,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                                   **server_rates(model, tokenizer, args.clients, args.turns, args.server_tokens,
                                                  args.block)}
             progress.advance(task)
+            data["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             results["families"][family] = data
             (out_dir / "hybrid.json").write_text(json.dumps(results, indent=1))
     (out_dir / "summary.md").write_text(summary(results))

@@ -311,6 +311,31 @@ def test_prompt_filling_max_positions_is_refused(tokenizer):
         assert (err.value.last_position, err.value.limit, err.value.line) == (63, 64, None)
 
 
+def test_store_dir_false_means_the_same_in_both_constructors(tokenizer, tmp_path, monkeypatch):
+    """``store_dir=False``: no disk tier, in ``PromptCache(...)`` as in ``from_pretrained``;
+    ``True``: the default directory."""
+    model = tiny_llama(len(tokenizer))
+    assert PromptCache(model, tokenizer, store_dir=False).store.disk is None
+    monkeypatch.setenv("PROMPTCACHE_CACHE_DIR", str(tmp_path))
+    assert PromptCache(model, tokenizer, store_dir=True).store.disk is not None
+
+
+def test_prompt_and_answer_fit_the_models_positions(tokenizer):
+    """A 50-token prompt on a 64-position model answers 14 tokens (positions 50 to 63) with
+    ``"length"``: prompt and answer together can be sent again; PML prompts and drafts alike."""
+    for lookahead in (0, 4):
+        pc = PromptCache(tiny_llama(len(tokenizer), max_position_embeddings=64), tokenizer, lookahead=lookahead)
+        ids = [(7 * i) % 200 + 3 for i in range(50)]
+        no_eos = {t: -100.0 for t in pc.eos_ids}
+        result = pc.complete(ids, max_new_tokens=30, logit_bias=no_eos)
+        assert len(result.token_ids) == 14 and result.finish_reason == "length"
+        pc.add_schema('<schema name="short"><system>Be brief.</system></schema>')
+        pml = pc.generate('<prompt schema="short"><user>' + " a" * 40 + "</user><assistant/></prompt>",
+                          max_new_tokens=60, logit_bias=no_eos)
+        assert max(pml.positions) + 1 + len(pml.token_ids) == 64 and pml.finish_reason == "length"
+        pc.close()
+
+
 @pytest.mark.slow
 def test_embedded_model_demo_schema_is_exact():
     from importlib import resources

@@ -248,15 +248,15 @@ def test_prompt_must_leave_room_within_max_positions(tokenizer, family, limit):
 
 @pytest.mark.parametrize("family, limit", [("gpt2", 64), ("llama", 47)])
 def test_generation_stops_at_the_last_position(tokenizer, family, limit):
-    """Decoding feeds tokens up to position ``limit - 1`` and stops there with ``"length"``: a
-    prompt of ``n`` tokens yields at most ``limit - n + 1`` tokens, identical with reuse."""
+    """Decoding stops with ``"length"`` at the last position: a prompt of ``n`` tokens yields at
+    most ``limit - n`` tokens (prompt and answer fit the model's positions), identical with reuse."""
     cache = PrefixCache(short_context_model(family, len(tokenizer), limit), tokenizer, block_size=BLOCK)
     for n in (limit - 1, limit - 20):
         for max_new_tokens in (limit - n + 1, limit - n + 30):
             reference = cache.complete(token_ids(n), max_new_tokens=max_new_tokens, reuse=False)
             reused = cache.complete(token_ids(n), max_new_tokens=max_new_tokens)
             assert_same(reference, reused)
-            assert len(reference.token_ids) == limit - n + 1 and reference.finish_reason == "length"
+            assert len(reference.token_ids) == limit - n and reference.finish_reason == "length"
     short = cache.complete(token_ids(limit - 20), max_new_tokens=3)
     assert len(short.token_ids) == 3 and short.finish_reason == "length"
 

@@ -73,7 +73,8 @@ class PromptCache:
     Encoded blocks live in a ``TieredStore`` (``docs/store.md``): ``device_budget`` and
     ``host_budget`` bytes (or ``"2GiB"``-style strings; ``None``: a quarter of the GPU or 1 GiB on
     CPU, and 4 GiB), and a disk tier of ``disk_budget`` (default 20 GiB) in ``store_dir`` —
-    none unless given here; ``from_pretrained`` turns it on by default. A negative or unreadable
+    none unless given here (``None`` or ``False``: none; ``True``: ``default_store_dir()``, what
+    ``from_pretrained`` uses by default). A negative or unreadable
     budget is a ``ValueError`` naming it, raised before the model is touched. ``remote``: a Redis/
     Valkey URL (``redis://host:port/db``) or a :class:`~pckernels.store.RemoteTier` below disk,
     shared by every process given the same server and ``remote_namespace``: blocks one process
@@ -106,7 +107,7 @@ class PromptCache:
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, name: str | None = None,
-                 store_dir: str | os.PathLike | None = None, device_budget: int | str | None = None,
+                 store_dir: str | os.PathLike | bool | None = None, device_budget: int | str | None = None,
                  host_budget: int | str | None = None, disk_budget: int | str | None = None,
                  model_id: str | None = None, kv_budget: int | str | None = None, max_queue: int = 256,
                  max_batch: int = 64, step_tokens: int = 2048, remote: RemoteTier | str | None = None,
@@ -150,7 +151,9 @@ class PromptCache:
                              "chunk boundaries they were saved at")
         self.prefix_block_size = prefix_block_size
         self.prefix_resume = prefix_resume
-        self.store = TieredStore(self.device, disk_dir=store_dir, remote=remote, **budgets)
+        if store_dir is True:
+            store_dir = default_store_dir()
+        self.store = TieredStore(self.device, disk_dir=store_dir or None, remote=remote, **budgets)
         self.model_lock = threading.RLock()
         """Held by whoever runs the model: the scheduler's steps, encoding, deviation scoring."""
         self.eos_ids = eos_token_ids(model, tokenizer)

@@ -68,8 +68,9 @@ class HybridRunner:
         self.footprint = footprint
         self.max_bytes = max_bytes
         self.counters: collections.Counter = collections.Counter()
-        self.admitted_tokens: dict[int, int] = {}
-        """Request id -> tokens admission counted for it."""
+        self.admitted: dict[int, tuple[int, int]] = {}
+        """Request id -> (tokens, rows) admission counted for it: rows are its answers not started
+        on their own (``n`` until its prompt is read and the others fork off)."""
         self.batch: HybridBatch | None = None
         self.rows: list[HybridRequest] = []
         """The requests of ``batch``, in its row order."""
@@ -90,8 +91,8 @@ class HybridRunner:
         return None
 
     def fits(self, request: Request) -> bool:
-        counted = list(self.admitted_tokens.values()) + [_tokens(request)] * request.n
-        return self._bytes(len(counted), max(counted)) <= self.max_bytes
+        counted = [*self.admitted.values(), (_tokens(request), request.n)]
+        return self._bytes(sum(rows for _, rows in counted), max(tokens for tokens, _ in counted)) <= self.max_bytes
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ class HybridRunner:
         request = handle.request
         reading = self.prefix().begin(request.prefix.token_ids, reuse=request.prefix.reuse, salt=request.prefix.salt)
         active = HybridRequest(handle, choice, mode=reading.mode, reading=reading, tokens=_tokens(request))
-        self.admitted_tokens[request.id] = active.tokens
+        self.admitted[request.id] = (active.tokens, request.n)
         if reading.done:
             return active, self._read(active)
         return active, None
@@ -110,7 +111,9 @@ class HybridRunner:
         (its recurrent states must be its own)."""
         child = HybridRequest(handle, choice, cached_tokens=lead.cached_tokens, computed_tokens=0, mode=lead.mode,
                               own=copy.deepcopy(lead.own), tokens=lead.tokens, next_pos=lead.next_pos)
-        self.admitted_tokens[handle.request.id] = child.tokens
+        tokens, rows = self.admitted[lead.request.id]
+        self.admitted[lead.request.id] = (tokens, rows - 1)
+        self.admitted[handle.request.id] = (child.tokens, 1)
         return child
 
     def admitted(self, active: HybridRequest) -> None:
@@ -132,7 +135,7 @@ class HybridRunner:
             active.reading.close()
             active.reading = None
         active.own = None
-        self.admitted_tokens.pop(active.request.id, None)
+        self.admitted.pop(active.request.id, None)
 
     # -- steps --------------------------------------------------------------------------------------
 
@@ -224,7 +227,7 @@ class HybridRunner:
         self.counters["draft_rewinds"] += 1
 
     def stats(self) -> dict:
-        return {"hybrid": {"batch_rows": len(self.rows), "admitted": len(self.admitted_tokens),
+        return {"hybrid": {"batch_rows": len(self.rows), "admitted": len(self.admitted),
                            "kv_bytes_per_token": self.footprint.kv_bytes_per_token,
                            "state_bytes": self.footprint.state_bytes, "budget_bytes": self.max_bytes}}
 

@@ -74,8 +74,10 @@ class TokenChoice:
         return self.params.max_new_tokens - len(self.token_ids)
 
     def choose(self, logits: torch.Tensor, next_position: int) -> int:
-        """Pick the next token from ``logits [vocab]`` and return it; ``next_position`` is where it
-        would be forwarded. Sets :attr:`finish_reason` when the generation ends with it."""
+        """Pick the next token from ``logits [vocab]`` and return it; ``next_position`` is its
+        position. Sets :attr:`finish_reason` when the generation ends with it — at the model's last
+        position at the latest: prompt and answer together never exceed ``max_positions``, so
+        the conversation can be sent again."""
         raw = logits.float()
         scores = self._adjust(raw) if self.params.adjusts else raw
         token = select_token(scores, temperature=self.params.temperature, top_p=self.params.top_p,
@@ -92,7 +94,7 @@ class TokenChoice:
             self.matcher.accept(token)
         done, reason = self.stopper.check(self.token_ids)
         if not done and (len(self.token_ids) >= self.params.max_new_tokens
-                         or (self.max_positions is not None and next_position >= self.max_positions)):
+                         or (self.max_positions is not None and next_position + 1 >= self.max_positions)):
             done, reason = True, "length"
         if done:
             self.finish_reason = reason
