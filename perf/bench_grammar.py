@@ -14,6 +14,8 @@ second model's GGUF, ``--tokenizers smollm2 /path/to/tokenizer_dir``) and each e
   constrained request adds to every decode step.
 
 Writes ``grammar.json`` and ``summary.md`` under ``--out`` (default ``perf/results/<machine>/grammar``).
+llguidance is promptcache's dependency; the other two are installed for the comparison only
+(``pip install xgrammar outlines-core``); an engine that is missing is reported as such.
 """
 
 from __future__ import annotations

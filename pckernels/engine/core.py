@@ -35,6 +35,7 @@ from pckernels.engine.requests import RequestBuilder, deadline_at
 from pckernels.engine.scheduler import Scheduler
 from pckernels.engine.threads import close_at_exit, in_fresh_thread
 from pckernels.generation import GenerationResult, SamplingParams, TextStream, eos_token_ids
+from pckernels.generation.grammar import Grammars
 from pckernels.errors import PMLError
 from pckernels.integration.adapters import ModelAdapter, adapter_for
 from pckernels.integration.identity import model_fingerprint
@@ -178,6 +179,7 @@ class PromptCache:
         self.deviation = DeviationScores(self.context)
         self._prefix: PrefixCache | None = None
         self._prefix_lock = threading.Lock()
+        self._grammars: Grammars | None = None
         max_bytes = default_kv_budget(self.device) if kv_bytes is None else kv_bytes
         if self.recurrent is None:
             runner = ArenaRunner(self.context, lambda: self.prefix, max_bytes=max_bytes)
@@ -234,6 +236,15 @@ class PromptCache:
     @lookahead.setter
     def lookahead(self, value: int) -> None:
         self.scheduler.lookahead = value
+
+    @property
+    def grammars(self) -> Grammars:
+        """Compiles constraints for this model's tokenizer (``grammar=`` of :meth:`request`,
+        :meth:`complete_request` and the calls on them): ``json_schema``, ``json_object``, ``regex``,
+        ``lark``, ``choice`` (:mod:`pckernels.generation.grammar`)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer)
+        return self._grammars
 
     @property
     def numerics(self) -> str:

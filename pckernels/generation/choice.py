@@ -114,8 +114,7 @@ class TokenChoice:
                 self._counts = torch.zeros_like(scores)
             scores -= params.frequency_penalty * self._counts + params.presence_penalty * (self._counts > 0)
         if self.matcher is not None:
-            allowed = self.matcher.allowed(scores.shape[0]).to(scores.device)
-            scores.masked_fill_(~allowed, float("-inf"))
+            self.matcher.mask_(scores)
         return scores
 
     def text(self) -> str:

@@ -27,6 +27,10 @@ class ServingEngine(Protocol):
         """The longest context the model takes (``max_model_len`` in ``/v1/models``)."""
 
     @property
+    def grammars(self) -> Any:
+        """Compiles response formats and guided-decoding constraints (``pckernels.generation.grammar.Grammars``)."""
+
+    @property
     def tokenizer(self) -> Any:
         """The Hugging Face tokenizer, to decode streamed tokens."""
 

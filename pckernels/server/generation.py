@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from pckernels.engine.request import RequestHandle
 from pckernels.generation import TextStream
+from pckernels.generation.grammar import GrammarError
 from pckernels.server.errors import SUBMIT_ERRORS, request_error, run_error, submit_error
 from pckernels.server.protocol import APIError
 from pckernels.server.replies import Reply, finish_reason
@@ -127,6 +128,7 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
                    logit_bias=body.bias(len(engine.tokenizer)), presence_penalty=body.presence_penalty or 0.0,
                    frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.logprob_count())
     limit = body.limit(state.default_max_tokens) if chat else body.max_tokens
+    options["grammar"] = _grammar(engine, body)
     plain = (chat and body.messages) or (not chat and body.prompt not in (None, "", []))
     try:
         if body.pml is not None:
@@ -155,6 +157,23 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
         if error is None:
             raise
         raise error from None
+
+
+def _grammar(engine, body):
+    """The compiled constraint of ``body`` (``response_format`` or a ``guided_*`` field), or None;
+    a schema, regex or grammar that does not compile is a 400 naming the field."""
+    constraint = body.constraint()
+    if constraint is None:
+        return None
+    field, kind, value = constraint
+    grammars = engine.grammars
+    make = {"json_object": lambda: grammars.json_object(), "json_schema": lambda: grammars.json_schema(value),
+            "regex": lambda: grammars.regex(value), "grammar": lambda: grammars.lark(value),
+            "choice": lambda: grammars.choice(value)}[kind]
+    try:
+        return make()
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param=field, code="invalid_grammar") from None
 
 
 def cache_salt(tenant_salt: str, salt: str) -> str:

@@ -13,6 +13,7 @@ extension fields ride in the same bodies (the ``openai`` client sends them with 
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,9 +22,8 @@ MAX_N = 16
 """Answers one request may ask for."""
 IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 """Fields accepted and ignored: they cannot change an answer."""
-NOT_YET = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-           "prediction", "modalities", "audio", "reasoning_effort", "web_search_options", "guided_json",
-           "guided_regex", "guided_grammar")
+NOT_YET = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "prediction", "modalities",
+           "audio", "reasoning_effort", "web_search_options", "guided_decoding_backend", "structured_outputs")
 """Fields OpenAI or vLLM clients send that this server does not honour: refused with a 400."""
 
 
@@ -91,6 +91,11 @@ class _Sampling(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     """vLLM's per-request cache namespace: a plain prompt's prefix blocks are shared only with
     requests of the same tenant and the same ``cache_salt``."""
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
     pml: str | None = None
     timeout_s: float | None = Field(default=None, gt=0.0)
     cache: bool = True
@@ -133,6 +138,40 @@ class _Sampling(BaseModel):
     def logprob_count(self) -> int | None:
         """Alternatives to record per token (``None``: no log-probabilities)."""
         raise NotImplementedError
+
+    def constraint(self) -> tuple[str, str, Any] | None:
+        """``(field, kind, value)`` of the one constraint on the answer's form, if any: kind
+        ``json_object``, ``json_schema``, ``regex``, ``grammar`` or ``choice``. 400 for a malformed
+        ``response_format`` or for two constraints at once."""
+        found = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                found.append(("response_format", "json_object", None))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise APIError(400, "response_format json_schema needs json_schema.schema (an object)",
+                                   param="response_format")
+                found.append(("response_format", "json_schema", spec["schema"]))
+            elif kind != "text":
+                raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                               param="response_format")
+        if self.guided_json is not None:
+            value = self.guided_json
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as exc:
+                    raise APIError(400, f"guided_json is not JSON: {exc}", param="guided_json") from None
+            found.append(("guided_json", "json_schema", value))
+        for field, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar"), ("guided_choice", "choice")):
+            if getattr(self, field) is not None:
+                found.append((field, kind, getattr(self, field)))
+        if len(found) > 1:
+            raise APIError(400, f"give one of {', '.join(f for f, _, _ in found)}, not several", param=found[1][0])
+        return found[0] if found else None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
