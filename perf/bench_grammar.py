@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"vocab": len(tokenizer), "engines": {cls.name: measure(cls, tokenizer) for cls in ENGINES}}
     (out / "grammar.json").write_text(json.dumps(results, indent=1))
     lines = ["# Grammar engines: JSON-schema coverage and per-token mask cost", "",
-             f"`python -m perf.bench_grammar {' '.join(argv or [])}`", "",
+             f"`python -m perf.bench_grammar {' '.join(sys.argv[1:] if argv is None else argv)}`", "",
              "| vocabulary | engine | schemas compiled | compile (tool schema) | mask per token, median | p90 |",
              "|---|---|---:|---:|---:|---:|"]
     for name, data in results.items():
