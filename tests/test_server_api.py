@@ -128,8 +128,8 @@ def test_cache_salt_separates_prefix_reuse(server):
             "cache_salt": "alpha", "pml": '<prompt schema="s"><m/></prompt>'})
 
 
-@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("tool_choice", "required"), ("structured_outputs", {}), ("frobnicate", 1)])
+@pytest.mark.parametrize("field,value", [("functions", [{"name": "f"}]), ("structured_outputs", {}),
+                                          ("frobnicate", 1)])
 def test_fields_the_server_does_not_honour_are_refused(server, field, value):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, field: value}
     reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
@@ -256,3 +256,90 @@ def test_bad_constraints_are_a_400_naming_the_field(server):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **options)
         assert err.value.body["param"] == field, err.value.body
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 10},
+                                                "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def check_call(call, names) -> dict:
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("c", "f") and len(arguments["city"]) <= 10
+    else:
+        assert arguments == {"zone": arguments["zone"]} and arguments["zone"] in ("utc", "local")
+    return arguments
+
+
+def test_required_and_named_tool_calls(server):
+    client = server.client()
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=120, temperature=0,
+                                           tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    check_call(choice.message.tool_calls[0], {"get_weather", "get_time"})
+    named = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=120, temperature=0.8, seed=3,
+                                           tools=[WEATHER, TIME], parallel_tool_calls=False,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_time" and check_call(call, {"get_time"})
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_time", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    follow = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0,
+                                            tools=[WEATHER, TIME])
+    assert follow.choices[0].message.content is not None or follow.choices[0].message.tool_calls
+
+
+def test_streamed_tool_calls(server):
+    client = server.client()
+    ask = [{"role": "user", "content": "Weather in Rome, in celsius?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=120, temperature=0,
+                                           tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    deltas, reasons = [], []
+    for chunk in client.chat.completions.create(model=MODEL, messages=ask, max_tokens=120, temperature=0,
+                                                tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                                stream=True):
+        for choice in chunk.choices:
+            deltas += choice.delta.tool_calls or []
+            assert not choice.delta.content, "a tool call is not streamed as text"
+            reasons.append(choice.finish_reason)
+    assert reasons[-1] == "tool_calls" and len(deltas) == 1
+    assert deltas[0].function.name == "get_weather"
+    assert deltas[0].function.arguments == whole.choices[0].message.tool_calls[0].function.arguments
+
+
+def test_tool_choice_none_and_bad_tools(server):
+    client = server.client()
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                           tools=[WEATHER], tool_choice="none")
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason in ("stop", "length")
+    for tools, choice, param in (([{"type": "function"}], "auto", "tools"),
+                                 ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+                                 ([WEATHER], "sometimes", "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=tools,
+                                           tool_choice=choice)
+        assert err.value.body["param"] == param
+
+
+def test_tool_calls_are_parsed_from_hermes_blocks():
+    from pckernels.server.tools import parse
+
+    text = 'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n' \
+           '<tool_call>{"name": "b", "arguments": {}}</tool_call><tool_call>{not json}</tool_call>'
+    content, calls = parse(text)
+    assert [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
+    assert content.split() == ["Let", "me", "check.", "<tool_call>{not", "json}</tool_call>"]
+    assert parse("no calls here") == ("no calls here", [])
+    content, calls = parse('<tool_call>\n{"name": "c", "arguments": {"y": [1]}}')
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"y": [1]}, "a missing close"

@@ -450,17 +450,18 @@ class PromptCache:
                          deadline_s: float | None = None, salt: str = "",
                          logit_bias: Mapping[int, float] | None = None, presence_penalty: float = 0.0,
                          frequency_penalty: float = 0.0, logprobs: int | None = None, grammar=None,
-                         n: int = 1) -> Request:
+                         n: int = 1, tools: list[dict] | None = None) -> Request:
         """A plain prompt (text, token ids or chat messages) as a :class:`Request` for exact
         prefix reuse; arguments as in :meth:`complete` and, for how tokens are chosen and ``n``,
         :meth:`request`. ``salt`` namespaces its prefix blocks: prompts with different salts never
-        share a block."""
+        share a block. ``tools``: OpenAI function definitions rendered with chat messages by the
+        tokenizer's chat template (``pckernels.prefix.prompts.encode_prompt``)."""
         submitted = time.perf_counter()
         params = SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed, logit_bias=logit_bias,
                                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                    logprobs=logprobs, grammar=grammar)
         request = self._requests.plain(prompt, params, reuse=reuse, deadline=deadline_at(deadline_s), salt=salt,
-                                       submitted=submitted)
+                                       submitted=submitted, tools=tools)
         return dataclasses.replace(request, n=n) if n != 1 else request
 
     def complete(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,

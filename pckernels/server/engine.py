@@ -48,7 +48,7 @@ class ServingEngine(Protocol):
                          deadline_s: float | None = None, salt: str = "",
                          logit_bias: Mapping[int, float] | None = None, presence_penalty: float = 0.0,
                          frequency_penalty: float = 0.0, logprobs: int | None = None, grammar: Any = None,
-                         n: int = 1) -> Request:
+                         n: int = 1, tools: list[dict] | None = None) -> Request:
         """A plain prompt (text, token ids or chat messages) as a request with exact prefix reuse."""
 
     def submit(self, request: Request) -> RequestHandle:

@@ -23,6 +23,7 @@ from pckernels.server.errors import SUBMIT_ERRORS, request_error, run_error, sub
 from pckernels.server.protocol import APIError
 from pckernels.server.replies import Reply, finish_reason
 from pckernels.server.state import ServerState
+from pckernels.server.tools import check_tools, forced, may_be_a_call, template_messages
 from pckernels.server.tenants import Tenant
 
 __all__ = ["Watcher", "generate"]
@@ -129,6 +130,19 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
                    frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.logprob_count())
     limit = body.limit(state.default_max_tokens) if chat else body.max_tokens
     options["grammar"] = _grammar(engine, body)
+    tools = None
+    if chat:
+        tools = check_tools(body.tools, body.tool_choice) if body.tool_choice != "none" else None
+        lark = forced(tools, body.tool_choice, body.parallel_tool_calls) if tools else None
+        if lark is not None:
+            if options["grammar"] is not None:
+                raise APIError(400, "tool_choice required or named constrains the answer already; drop "
+                               "response_format", param="response_format")
+            try:
+                options["grammar"] = engine.grammars.lark(lark)
+            except GrammarError as exc:
+                raise APIError(400, f"a tool's parameters cannot constrain decoding: {exc}", param="tools",
+                               code="invalid_grammar") from None
     plain = (chat and body.messages) or (not chat and body.prompt not in (None, "", []))
     try:
         if body.pml is not None:
@@ -141,8 +155,8 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
             raise APIError(400, ("messages" if chat else "prompt") + " must not be empty (or give a PML prompt "
                            "in the 'pml' field)", param="messages" if chat else "prompt")
         if chat:
-            prompts = [[{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in body.messages]]
+            prompts = [template_messages(body.messages)]
+            options["tools"] = tools
         else:
             prompts = _completion_prompts(body.prompt)
         if body.cache_salt is not None:
@@ -200,6 +214,8 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
     handles = [w.handle for w in watchers]
     texts = [TextStream(state.engine.tokenizer, body.stops()) for _ in handles]
     sent = [0] * len(handles)
+    shown = [0] * len(handles)
+    """Characters of each answer sent (an answer that may become tool calls is held back)."""
     results: list = [None] * len(handles)
     event = watchers[0]._event
     try:
@@ -215,7 +231,10 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
                 tokens = handle.take()
                 if tokens:
                     moved = True
-                    delta = texts[index].push(tokens)
+                    texts[index].push(tokens)
+                    emitted = texts[index].emitted
+                    delta = "" if reply.calls_tools and may_be_a_call(emitted) else emitted[shown[index]:]
+                    shown[index] += len(delta)
                     if delta or reply.wants_logprobs:
                         records = handle.logprobs[sent[index]:sent[index] + len(tokens)]
                         sent[index] += len(tokens)
@@ -229,10 +248,9 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
                         info["error"] = error.code
                         yield reply.sse(error.body())
                         return
-                    rest = texts[index].finish(result.text)
-                    if rest:
-                        yield reply.sse(reply.chunk(rest, index=index))
-                    yield reply.sse(reply.chunk(None, finish_reason=finish_reason(result.finish_reason), index=index))
+                    texts[index].finish(result.text)
+                    for chunk in reply.ending(result, texts[index].emitted[shown[index]:], shown[index], index):
+                        yield reply.sse(chunk)
             if not moved:
                 await event.wait()
                 event.clear()

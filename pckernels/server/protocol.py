@@ -14,7 +14,7 @@ extension fields ride in the same bodies (the ``openai`` client sends them with 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,8 +22,8 @@ MAX_N = 16
 """Answers one request may ask for."""
 IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 """Fields accepted and ignored: they cannot change an answer."""
-NOT_YET = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "prediction", "modalities",
-           "audio", "reasoning_effort", "web_search_options", "guided_decoding_backend", "structured_outputs")
+NOT_YET = ("functions", "function_call", "prediction", "modalities", "audio", "reasoning_effort",
+           "web_search_options", "guided_decoding_backend", "structured_outputs")
 """Fields OpenAI or vLLM clients send that this server does not honour: refused with a 400."""
 
 
@@ -183,11 +183,21 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.tools and self.pml is not None:
+            raise APIError(400, "tools apply to messages, not to a PML prompt", param="tools")
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is parsed for tool calls (tools given, ``tool_choice`` not ``none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -197,6 +207,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    calls_tools: ClassVar[bool] = False
+
     prompt: str | list[int] | list[str] | None = None
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False

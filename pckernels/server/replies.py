@@ -7,6 +7,7 @@ import time
 import uuid
 
 from pckernels.server.logprobs import chat_logprobs, completion_logprobs
+from pckernels.server.tools import parse
 
 
 def finish_reason(reason: str) -> str:
@@ -25,6 +26,7 @@ class Reply:
         self.tokenizer = tokenizer
         self.n = body.n
         self.wants_logprobs = body.logprob_count() is not None
+        self.calls_tools = body.calls_tools
         self._offset = 0
 
     def logprobs(self, records) -> dict | None:
@@ -66,9 +68,13 @@ class Reply:
             logprobs = self.logprobs(result.logprobs or [])
             self._offset = 0
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": result.text,
-                                                            "refusal": None},
-                                "finish_reason": reason, "logprobs": logprobs})
+                message = {"role": "assistant", "content": result.text, "refusal": None}
+                if self.calls_tools:
+                    message["content"], calls = parse(result.text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        reason = "tool_calls"
+                choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs})
             else:
                 choices.append({"index": index, "text": result.text, "finish_reason": reason, "logprobs": logprobs})
         head = self._head("chat.completion" if self.chat else "text_completion")
@@ -84,6 +90,25 @@ class Reply:
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": index, "text": delta or "", "finish_reason": finish_reason, "logprobs": logprobs}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def ending(self, result, rest: str, shown: int, index: int) -> list[dict]:
+        """The last chunks of answer ``index``: its held-back text ``rest`` (``shown`` characters
+        already sent), as tool-call deltas when it is tool calls, then its finish reason."""
+        reason = finish_reason(result.finish_reason)
+        chunks = []
+        if self.calls_tools and not shown:
+            content, calls = parse(result.text)
+            if calls:
+                if content:
+                    chunks.append(self.chunk(content, index=index))
+                deltas = [{"index": k, **call} for k, call in enumerate(calls)]
+                chunks.append(self.chunk({"tool_calls": deltas}, index=index))
+                chunks.append(self.chunk(None, finish_reason="tool_calls", index=index))
+                return chunks
+        if rest:
+            chunks.append(self.chunk(rest, index=index))
+        chunks.append(self.chunk(None, finish_reason=reason, index=index))
+        return chunks
 
     def usage_chunk(self, results: list) -> dict:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
