@@ -68,7 +68,7 @@ class HybridRunner:
         self.footprint = footprint
         self.max_bytes = max_bytes
         self.counters: collections.Counter = collections.Counter()
-        self.admitted: dict[int, tuple[int, int]] = {}
+        self.budgeted: dict[int, tuple[int, int]] = {}
         """Request id -> (tokens, rows) admission counted for it: rows are its answers not started
         on their own (``n`` until its prompt is read and the others fork off)."""
         self.batch: HybridBatch | None = None
@@ -91,7 +91,7 @@ class HybridRunner:
         return None
 
     def fits(self, request: Request) -> bool:
-        counted = [*self.admitted.values(), (_tokens(request), request.n)]
+        counted = [*self.budgeted.values(), (_tokens(request), request.n)]
         return self._bytes(sum(rows for _, rows in counted), max(tokens for tokens, _ in counted)) <= self.max_bytes
 
     # -- requests -----------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ class HybridRunner:
         request = handle.request
         reading = self.prefix().begin(request.prefix.token_ids, reuse=request.prefix.reuse, salt=request.prefix.salt)
         active = HybridRequest(handle, choice, mode=reading.mode, reading=reading, tokens=_tokens(request))
-        self.admitted[request.id] = (active.tokens, request.n)
+        self.budgeted[request.id] = (active.tokens, request.n)
         if reading.done:
             return active, self._read(active)
         return active, None
@@ -111,9 +111,9 @@ class HybridRunner:
         (its recurrent states must be its own)."""
         child = HybridRequest(handle, choice, cached_tokens=lead.cached_tokens, computed_tokens=0, mode=lead.mode,
                               own=copy.deepcopy(lead.own), tokens=lead.tokens, next_pos=lead.next_pos)
-        tokens, rows = self.admitted[lead.request.id]
-        self.admitted[lead.request.id] = (tokens, rows - 1)
-        self.admitted[handle.request.id] = (child.tokens, 1)
+        tokens, rows = self.budgeted[lead.request.id]
+        self.budgeted[lead.request.id] = (tokens, rows - 1)
+        self.budgeted[handle.request.id] = (child.tokens, 1)
         return child
 
     def admitted(self, active: HybridRequest) -> None:
@@ -135,7 +135,7 @@ class HybridRunner:
             active.reading.close()
             active.reading = None
         active.own = None
-        self.admitted.pop(active.request.id, None)
+        self.budgeted.pop(active.request.id, None)
 
     # -- steps --------------------------------------------------------------------------------------
 
@@ -227,7 +227,7 @@ class HybridRunner:
         self.counters["draft_rewinds"] += 1
 
     def stats(self) -> dict:
-        return {"hybrid": {"batch_rows": len(self.rows), "admitted": len(self.admitted),
+        return {"hybrid": {"batch_rows": len(self.rows), "admitted": len(self.budgeted),
                            "kv_bytes_per_token": self.footprint.kv_bytes_per_token,
                            "state_bytes": self.footprint.state_bytes, "budget_bytes": self.max_bytes}}
 

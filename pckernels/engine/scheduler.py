@@ -213,6 +213,10 @@ class Scheduler:
                         self._admit()
                         if self._running:
                             self._step()
+                except Exception as exc:  # a bug here must fail the requests in flight, never hang them
+                    log.exception("the engine's model thread failed; failing the requests in flight")
+                    with self._cv:
+                        self._fail_all(RuntimeError(f"the engine failed: {type(exc).__name__}: {exc}"))
                 finally:
                     if profiler is not None:
                         profiler.disable()
@@ -251,7 +255,10 @@ class Scheduler:
             handle._fail(error)
         self._waiting.clear()
         for active in self._running:
-            self.runner.release(active)
+            try:
+                self.runner.release(active)
+            except Exception:  # the runner may be what failed; the handle must still hear of it
+                log.exception("releasing request %d failed", active.handle.id)
             active.handle._fail(error)
         self._running.clear()
 
