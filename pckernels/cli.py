@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from pckernels.cli_common import check_model_options, console, fail, load_engine
+from pckernels.cli_common import PLACEMENT_HELP, check_model_options, check_placement, console, fail, load_engine
 from pckernels.cli_store import cache_app, encode
 from pckernels.cli_bench import CONTEXT as BENCH_CONTEXT, bench
 from pckernels.cli_compile import compile_programs
@@ -40,40 +40,54 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progr
 def demo(model: str = typer.Option("smollm2", help="Model name or path."),
          max_new_tokens: int = typer.Option(32, help="Tokens to generate per answer."),
          device: Optional[str] = typer.Option(None, help="cpu, cuda, … (default: best available)."),
-         dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16.")) -> None:
-    """Run the shipped city-guide schema in baseline and cached mode and compare; exits 1 if a
-    cached answer differs from the reference forward (the exactness oracle)."""
+         dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16."),
+         placement: str = typer.Option("compact", help=PLACEMENT_HELP)) -> None:
+    """Answer the shipped city-guide prompts (three about a 1,400-token handbook) with no reuse and
+    with promptcache's default mode, side by side: answers, time to first token, speed-up. Then
+    checks the paper's exact path: exits 1 if an answer at schema placement differs from the
+    reference forward (the exactness oracle)."""
+    check_placement(placement)
     check_model_options(model, device, dtype)
     demo_dir = resources.files("pckernels") / "data" / "demo"
-    cache = load_engine(model, device, dtype)
-    with resources.as_file(demo_dir / "city_guide.xml") as schema_path:
-        schema = cache.add_schema(schema_path, progress=True)
+    cache = load_engine(model, device, dtype, placement=placement)
+    with resources.as_file(demo_dir) as folder:
+        schema = cache.add_schema(Path(folder) / "city_guide.xml", progress=True)
     prompts = json.loads((demo_dir / "prompts.json").read_text(encoding="utf-8"))
     cache.generate(prompts[0]["prompt"], max_new_tokens=1)
     cache.generate(prompts[0]["prompt"], max_new_tokens=1, mode="baseline")
+    mode = ("compact placement, the first 8 stale tokens of each module recomputed" if schema.placement == "compact"
+            else "schema placement")
     table = Table(title=escape(f"promptcache demo — schema {schema.name!r} on {cache.name} ({cache.device}, "
-                               f"{cache.dtype})"))
-    for col in ("prompt", "cached", "computed", "TTFT baseline", "TTFT cached", "speedup", "= reference", "= baseline"):
+                               f"{cache.dtype}); promptcache: {mode}"))
+    for col in ("prompt", "tokens", "cached", "TTFT no reuse", "TTFT promptcache", "speed-up", "same answer"):
         table.add_column(col, justify="left" if col == "prompt" else "right")
-    answers, mismatched = [], []
+    answers, same = [], 0
     for item in prompts:
         base = cache.generate(item["prompt"], mode="baseline", max_new_tokens=max_new_tokens)
-        ref = cache.generate(item["prompt"], mode="reference", max_new_tokens=max_new_tokens)
-        cached = cache.generate(item["prompt"], mode="cached", max_new_tokens=max_new_tokens)
-        table.add_row(escape(item["name"]), str(cached.cached_tokens), str(cached.computed_tokens),
-                      f"{base.ttft_s * 1e3:.0f} ms", f"{cached.ttft_s * 1e3:.0f} ms",
-                      f"{base.ttft_s / cached.ttft_s:.1f}x",
-                      "yes" if cached.token_ids == ref.token_ids else "NO",
-                      "yes" if cached.token_ids == base.token_ids else "differs")
-        answers.append((item["name"], cached.text, base.text))
-        if cached.token_ids != ref.token_ids:
-            mismatched.append(item["name"])
+        got = cache.generate(item["prompt"], max_new_tokens=max_new_tokens)
+        same += got.token_ids == base.token_ids
+        table.add_row(escape(item["name"]), str(got.cached_tokens + got.computed_tokens), str(got.cached_tokens),
+                      f"{base.ttft_s * 1e3:.0f} ms", f"{got.ttft_s * 1e3:.0f} ms", f"{base.ttft_s / got.ttft_s:.1f}x",
+                      "yes" if got.token_ids == base.token_ids else "differs")
+        answers.append((item["name"], got.text, base.text))
     console.print(table)
-    for name, cached_text, base_text in answers:
-        console.print(f"[bold]{escape(name)}[/bold]\n  cached:   {escape(cached_text.strip())}\n"
-                      f"  baseline: {escape(base_text.strip())}")
+    for name, got_text, base_text in answers:
+        console.print(f"[bold]{escape(name)}[/bold]\n  promptcache: {escape(got_text.strip())}\n"
+                      f"  no reuse:    {escape(base_text.strip())}")
+    console.print(f"{same} of {len(prompts)} answers are token for token those of no reuse (modules are encoded "
+                  "without seeing each other, so some may be worded differently: docs/fidelity.md).")
+    mismatched = []
+    for item in prompts:
+        exact = item["prompt"].replace("<prompt ", '<prompt placement="schema" ', 1)
+        ref = cache.generate(exact, mode="reference", max_new_tokens=max_new_tokens)
+        got = cache.generate(exact, max_new_tokens=max_new_tokens)
+        if got.token_ids != ref.token_ids:
+            mismatched.append(item["name"])
     if mismatched:
-        fail(f"cached answers differ from the reference forward for: {', '.join(mismatched)}", code=1)
+        fail(f"at schema placement, cached answers differ from the reference forward for: {', '.join(mismatched)}",
+             code=1)
+    console.print(f"schema placement (the paper's semantics): all {len(prompts)} cached answers equal the reference "
+                  "forward's.")
 
 
 @app.command()
@@ -88,22 +102,34 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
         device: Optional[str] = typer.Option(None), dtype: Optional[str] = typer.Option(None),
         matmul: str = typer.Option("fp32", help="CPU matmul precision: fp32 or bf16 (docs/perf.md)."),
         lookahead: int = typer.Option(0, min=0, help="Draft tokens a greedy decode step verifies besides its own "
-                                                     "(prompt lookup, docs/engine.md; 0: none).")) -> None:
+                                                     "(prompt lookup, docs/engine.md; 0: none)."),
+        placement: str = typer.Option("compact", help=PLACEMENT_HELP),
+        recompute: Optional[float] = typer.Option(None, min=0.0, help="Stale tokens recomputed: a share (0 to 1), or "
+                                                                     "with --recompute-policy epic a count per module "
+                                                                     "(default: 8, epic, for compact placement; "
+                                                                     "none at schema placement)."),
+        recompute_policy: Optional[str] = typer.Option(None, help="first | deviation | epic (docs/fidelity.md).")
+        ) -> None:
     """Answer one PML prompt against a schema."""
     modes = ["cached", "baseline", "reference"] if mode == "compare" else [mode]
     if mode not in ("cached", "baseline", "reference", "compare"):
         fail(f"unknown mode {mode!r}: expected cached, baseline, reference or compare")
     if matmul not in ("fp32", "bf16"):
         fail(f"unknown --matmul {matmul!r}: expected fp32 or bf16")
+    check_placement(placement)
+    if recompute_policy is not None and recompute_policy not in ("first", "deviation", "epic"):
+        fail(f"unknown --recompute-policy {recompute_policy!r}: expected first, deviation or epic")
     check_model_options(model, device, dtype)
     if "<" not in schema and not Path(schema).is_file():
         fail(f"no such schema file: {schema!r}")
-    cache = load_engine(model, device, dtype, matmul=matmul, lookahead=lookahead)
+    cache = load_engine(model, device, dtype, matmul=matmul, lookahead=lookahead, placement=placement)
     try:
         cache.add_schema(schema if "<" in schema else Path(schema))
         text = _text_or_file(prompt)
-        results = {m: cache.generate(text, mode=m, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     seed=seed) for m in modes}
+        results = {m: cache.generate(text, mode=m, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                     **({} if m == "baseline" else {"recompute": recompute,
+                                                                    "recompute_policy": recompute_policy}))
+                   for m in modes}
     except (OSError, ValueError) as exc:
         fail(exc)
     if as_json:

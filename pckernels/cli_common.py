@@ -21,6 +21,17 @@ USAGE_ERROR = 2
 """Exit status of a command refused for bad input (click's own usage errors exit with 2 too)."""
 
 
+PLACEMENT_HELP = ("Where a PML prompt places its modules when neither it nor its schema says: compact (moved "
+                  "together, the first 8 stale tokens of each recomputed; answers closest to no reuse) or schema "
+                  "(the paper's: at schema positions, equal to the reference forward). docs/pml.md")
+
+
+def check_placement(placement: str) -> None:
+    """Refuse a ``--placement`` other than compact or schema."""
+    if placement not in ("compact", "schema"):
+        fail(f"unknown --placement {placement!r}: expected compact or schema")
+
+
 def one_line(text: object) -> str:
     """``text`` with its whitespace runs, newlines included, folded to single spaces."""
     return " ".join(str(text).split())

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from pckernels.cli_common import check_model_options, console, fail, load_engine
+from pckernels.cli_common import PLACEMENT_HELP, check_model_options, check_placement, console, fail, load_engine
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
                                                           "equal to rounding; attention-only models)."),
           lookahead: int = typer.Option(0, min=0, help="Draft tokens a greedy request's decode step verifies besides "
                                                        "its own (prompt lookup from its context; 0: none)."),
+          placement: str = typer.Option("compact", help=PLACEMENT_HELP),
           allow_no_reuse: bool = typer.Option(False, help="Serve even when the model fails the prefix cache's "
                                                           "self-check (every prompt then computed in full)."),
           log_level: str = typer.Option("info", help="debug, info, warning, error.")) -> None:
@@ -108,12 +109,14 @@ def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), 
         fail(f"unknown --matmul {matmul!r}: expected fp32 or bf16")
     if prefix_resume not in ("block", "token"):
         fail(f"unknown --prefix-resume {prefix_resume!r}: expected block or token")
+    check_placement(placement)
     store = False if memory_only else (store_dir or default_store_dir())
     tenants = Tenants(keys, server_secret(None if store is False else store))
     engine = load_engine(model, device, dtype, store_dir=store, device_budget=device_budget, host_budget=host_budget,
                          disk_budget=disk_budget, kv_budget=kv_budget, max_queue=max_queue, max_batch=max_batch,
                          remote=remote, remote_namespace=remote_namespace, matmul=matmul,
-                         prefix_block_size=prefix_block, lookahead=lookahead, prefix_resume=prefix_resume)
+                         prefix_block_size=prefix_block, lookahead=lookahead, prefix_resume=prefix_resume,
+                         placement=placement)
     refusal = engine.prefix.refusal
     if refusal is not None and not allow_no_reuse:
         engine.close()

@@ -64,9 +64,9 @@ def engines(model: torch.nn.Module, tokenizer, dtype: torch.dtype) -> tuple[Prom
     second (device budget 0) in host memory, pinned on CUDA, copied up for every prompt."""
     device = next(model.parameters()).device
     device_tier = PromptCache(model, tokenizer, device=device, dtype=dtype, name="llama-2-7b-shaped",
-                              device_budget="64GiB", host_budget="1GiB")
+                              device_budget="64GiB", host_budget="1GiB", placement="schema")
     host_tier = PromptCache(model, tokenizer, device=device, dtype=dtype, name="llama-2-7b-shaped",
-                            device_budget=0, host_budget="64GiB")
+                            device_budget=0, host_budget="64GiB", placement="schema")
     return device_tier, host_tier
 
 

@@ -30,7 +30,7 @@ NAMES = [n for n in PROMPTS if n != "params-missing"]
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):  # noqa: F811
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     return pc
 
@@ -131,7 +131,7 @@ def test_a_batch_of_mixed_requests_equals_each_alone(engine, alone):
 
 
 def test_a_module_imported_by_many_requests_is_placed_once(tokenizer):  # noqa: F811
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     prompt = PROMPTS["all-of-union-one"]
     with pc.model_lock:
@@ -176,7 +176,7 @@ def test_complete_joins_the_batch_and_keeps_its_exact_first_token(engine, alone)
 
 
 def test_cancel_frees_rows_and_ends_the_stream(tokenizer):  # noqa: F811
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     handle = pc.submit(PROMPTS["everything"], max_new_tokens=500)
     tokens = iter(handle)
@@ -193,7 +193,7 @@ def test_cancel_frees_rows_and_ends_the_stream(tokenizer):  # noqa: F811
 
 
 def test_closing_a_stream_early_cancels_its_request(tokenizer):  # noqa: F811
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     stream = pc.stream(PROMPTS["everything"], max_new_tokens=500)
     next(stream)
@@ -205,7 +205,7 @@ def test_closing_a_stream_early_cancels_its_request(tokenizer):  # noqa: F811
 
 
 def test_deadline_fails_the_request_with_what_it_had(tokenizer):  # noqa: F811
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     with pc.model_lock:
         waiting = pc.submit(PROMPTS["none"], max_new_tokens=4, deadline_s=0.05)
@@ -221,7 +221,7 @@ def test_deadline_fails_the_request_with_what_it_had(tokenizer):  # noqa: F811
 
 
 def test_full_queue_is_a_clear_busy_error_and_changes_nothing(tokenizer):  # noqa: F811
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, max_queue=1)
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, max_queue=1, placement="schema")
     pc.add_schema(SCHEMA)
     with pc.model_lock:
         first = pc.submit(PROMPTS["none"], max_new_tokens=2)
@@ -233,7 +233,7 @@ def test_full_queue_is_a_clear_busy_error_and_changes_nothing(tokenizer):  # noq
 
 
 def test_a_request_that_can_never_fit_is_refused_at_once(tokenizer):  # noqa: F811
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, kv_budget=64 * 256)
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, kv_budget=64 * 256, placement="schema")
     pc.add_schema(SCHEMA)
     with pytest.raises(RequestTooLargeError, match="kv_budget"):
         pc.submit(PROMPTS["everything"], max_new_tokens=200)
@@ -243,7 +243,7 @@ def test_a_request_that_can_never_fit_is_refused_at_once(tokenizer):  # noqa: F8
 
 def test_requests_wait_for_room_under_a_small_budget(tokenizer, alone):  # noqa: F811
     """A KV budget for about one request at a time: the others wait for rows, then run; all exact."""
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, kv_budget=160 * 256)
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, kv_budget=160 * 256, placement="schema")
     pc.add_schema(SCHEMA)
     names = ["everything", "nested", "all-of-union-one", "other-member"]
     handles = {name: pc.submit(PROMPTS[name], max_new_tokens=NEW_TOKENS) for name in names}
@@ -264,7 +264,7 @@ def test_bad_input_raises_in_the_caller_and_queues_nothing(engine):
 
 
 def test_a_failing_request_does_not_take_others_down(tokenizer, monkeypatch):  # noqa: F811
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     pc.evict_resident()
     fetch = pc.blocks.fetch_block
@@ -282,6 +282,27 @@ def test_a_failing_request_does_not_take_others_down(tokenizer, monkeypatch):  #
         bad.result(timeout=30)
     assert good.result(timeout=30).token_ids
     assert pc.scheduler.arena.referenced_rows() == 0
+
+
+def test_a_bug_in_the_model_thread_fails_requests_instead_of_hanging_them(tokenizer, alone, monkeypatch):  # noqa: F811
+    """An exception escaping the scheduler's own code (not one request's work) ends the requests in
+    flight with an error naming it; the thread lives on and the next request answers exactly."""
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
+    pc.add_schema(SCHEMA)
+    admitted = pc.scheduler.runner.admitted
+
+    def broken(active):
+        raise TypeError("a bug in the runner")
+
+    monkeypatch.setattr(pc.scheduler.runner, "admitted", broken)
+    handle = pc.submit(PROMPTS["other-member"], max_new_tokens=3)
+    with pytest.raises(RuntimeError, match="a bug in the runner"):
+        handle.result(timeout=30)
+    monkeypatch.setattr(pc.scheduler.runner, "admitted", admitted)
+    got = pc.generate(PROMPTS["other-member"], max_new_tokens=NEW_TOKENS, mode="cached")
+    assert_close(got, alone["other-member", "cached"])
+    assert pc.scheduler.arena.referenced_rows() == 0
+    pc.close()
 
 
 @pytest.mark.parametrize("family", [f.name for f in __import__("family_models").FAMILIES])
@@ -311,7 +332,7 @@ def test_n_answers_share_one_reading_of_the_prompt(tokenizer, kind):  # noqa: F8
     """n > 1: the prompt is read once, every answer reads its rows and decodes on its own: greedy
     answers all equal the single answer, seeded samples equal single requests with seed + i, the
     prompt is computed once, and every row comes back."""
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
 
     def make(**options):

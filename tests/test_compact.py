@@ -6,7 +6,9 @@ cached token's encoding context moved by another distance (``_moved_tokens`` is 
 own tokens, its ancestors inside its unit, and anonymous text that kept its distance); otherwise
 cached differs from the reference by the changed distance, and recomputing every stale token
 (``recompute=1.0``) makes it exact again — a full causal forward at the compact positions.
-A tiny random Llama (GQA) with the embedded SmolLM2 tokenizer, as in ``test_engine``.
+A tiny random Llama (GQA) with the embedded SmolLM2 tokenizer, as in ``test_engine``. Requests
+here say ``recompute=0`` (or the amount they test): compact prompts otherwise get the engine's
+default epic@8 recompute (``test_defaults``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def cache(tokenizer):
-    pc = PromptCache(tiny_llama(len(tokenizer), seed=5), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer), seed=5), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     return pc
 
@@ -165,8 +167,8 @@ def test_stale_tokens_under_compact_placement(cache):
 def test_compact_cached_matches_reference_where_nothing_moved(cache, name):
     prompt = compact(ALL_PROMPTS[name])
     assert not moved(cache, prompt)
-    ref = cache.generate(prompt, mode="reference", max_new_tokens=NEW_TOKENS)
-    got = cache.generate(prompt, mode="cached", max_new_tokens=NEW_TOKENS)
+    ref = cache.generate(prompt, mode="reference", max_new_tokens=NEW_TOKENS, recompute=0)
+    got = cache.generate(prompt, mode="cached", max_new_tokens=NEW_TOKENS, recompute=0)
     assert got.positions == ref.positions and got.prompt_token_ids == ref.prompt_token_ids
     assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
     assert got.token_ids == ref.token_ids
@@ -193,7 +195,7 @@ def test_moved_context_is_an_approximation_that_recompute_removes(cache, name):
     prompt = compact(ALL_PROMPTS[name])
     assert moved(cache, prompt)
     ref = cache.generate(prompt, mode="reference", max_new_tokens=1, recompute=1.0)
-    plain = cache.generate(prompt, max_new_tokens=1)
+    plain = cache.generate(prompt, max_new_tokens=1, recompute=0)
     full = cache.generate(prompt, max_new_tokens=1, recompute=1.0)
     assert (plain.first_logits - ref.first_logits).abs().max().item() > 10 * FP32_TOL
     assert (full.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
@@ -233,9 +235,9 @@ def test_compact_in_schema_layout_is_schema_placement_bitwise(cache):
         if compact_prompt.position_ids != cache.resolve(PROMPTS[name]).position_ids:
             continue
         cache.evict_resident()
-        a = cache.generate(PROMPTS[name], max_new_tokens=NEW_TOKENS)
+        a = cache.generate(PROMPTS[name], max_new_tokens=NEW_TOKENS, recompute=0)
         cache.evict_resident()
-        b = cache.generate(compact(PROMPTS[name]), max_new_tokens=NEW_TOKENS)
+        b = cache.generate(compact(PROMPTS[name]), max_new_tokens=NEW_TOKENS, recompute=0)
         assert torch.equal(a.first_logits, b.first_logits) and a.token_ids == b.token_ids
 
 
@@ -255,9 +257,9 @@ def test_moved_blocks_are_kept_apart_from_unmoved_ones(cache):
     requests in one batch get what they get alone."""
     prompts = [PROMPTS["other-member"], compact(PROMPTS["other-member"]), compact(SHUFFLED["everything"]),
                SHUFFLED["everything"]]
-    alone = [cache.generate(p, max_new_tokens=NEW_TOKENS) for p in prompts]
+    alone = [cache.generate(p, max_new_tokens=NEW_TOKENS, recompute=0) for p in prompts]
     with cache.model_lock:
-        handles = [cache.submit(p, max_new_tokens=NEW_TOKENS) for p in prompts]
+        handles = [cache.submit(p, max_new_tokens=NEW_TOKENS, recompute=0) for p in prompts]
     for handle, solo in zip(handles, alone):
         got = handle.result()
         assert got.token_ids == solo.token_ids
@@ -266,14 +268,14 @@ def test_moved_blocks_are_kept_apart_from_unmoved_ones(cache):
 
 def test_concurrent_compact_and_schema_requests(cache):
     prompts = [compact(p) for p in ALL_PROMPTS.values()] + list(PROMPTS.values())
-    alone = {p: cache.generate(p, max_new_tokens=3).token_ids for p in prompts}
+    alone = {p: cache.generate(p, max_new_tokens=3, recompute=0).token_ids for p in prompts}
     errors: list[BaseException] = []
 
     def worker(offset: int) -> None:
         try:
             for i in range(len(prompts)):
                 p = prompts[(i + offset) % len(prompts)]
-                assert cache.generate(p, max_new_tokens=3).token_ids == alone[p]
+                assert cache.generate(p, max_new_tokens=3, recompute=0).token_ids == alone[p]
         except BaseException as exc:  # noqa: BLE001 (collected and reported by the main thread)
             errors.append(exc)
 
@@ -286,11 +288,11 @@ def test_concurrent_compact_and_schema_requests(cache):
 
 
 def test_bf16_compact_matches_reference(tokenizer):
-    pc = PromptCache(tiny_llama(len(tokenizer), seed=1, dtype=torch.bfloat16), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer), seed=1, dtype=torch.bfloat16), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     for name in ("other-member", "scaffold-all"):
-        ref = pc.generate(compact(PROMPTS[name]), mode="reference", max_new_tokens=1)
-        got = pc.generate(compact(PROMPTS[name]), max_new_tokens=1)
+        ref = pc.generate(compact(PROMPTS[name]), mode="reference", max_new_tokens=1, recompute=0)
+        got = pc.generate(compact(PROMPTS[name]), max_new_tokens=1, recompute=0)
         assert (got.first_logits - ref.first_logits).abs().max().item() <= 0.1
     full = pc.generate(compact(SHUFFLED["everything"]), max_new_tokens=1, recompute=1.0)
     ref = pc.generate(compact(SHUFFLED["everything"]), mode="reference", max_new_tokens=1, recompute=1.0)
@@ -310,7 +312,7 @@ def shared_schema(name: str, docs: list[str]) -> str:
 
 
 def test_modules_shared_across_schemas_are_stored_once(tokenizer):
-    pc = PromptCache(tiny_llama(len(tokenizer), seed=2), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer), seed=2), tokenizer, placement="schema")
     a = pc.add_schema(shared_schema("a", ["d0", "d1", "d2"]))
     after_a = len(pc.store)
     b = pc.add_schema(shared_schema("b", ["d3", "d2", "d0"]))
@@ -320,14 +322,14 @@ def test_modules_shared_across_schemas_are_stored_once(tokenizer):
     assert pc.block_key(a, "d2") != pc.block_key(b, "d2")
     for prompt in ('<prompt schema="a"><d2/><user>When?</user><assistant/></prompt>',
                    '<prompt schema="b"><d2/><user>When?</user><assistant/></prompt>'):
-        got = pc.generate(prompt, max_new_tokens=NEW_TOKENS)
-        ref = pc.generate(prompt, mode="reference", max_new_tokens=NEW_TOKENS)
+        got = pc.generate(prompt, max_new_tokens=NEW_TOKENS, recompute=0)
+        ref = pc.generate(prompt, mode="reference", max_new_tokens=NEW_TOKENS, recompute=0)
         assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
     assert len(pc.store) == after_a + 1, "reading them encoded nothing more"
 
 
 def test_another_system_prompt_shares_nothing(tokenizer):
-    pc = PromptCache(tiny_llama(len(tokenizer), seed=2), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer), seed=2), tokenizer, placement="schema")
     a = pc.add_schema(shared_schema("a", ["d0", "d1"]))
     b = pc.add_schema(shared_schema("b", ["d0", "d1"]).replace("Answer from", "Answer using"))
     assert pc.block_key(a, "d0", "", "packed") != pc.block_key(b, "d0", "", "packed")
@@ -339,12 +341,12 @@ def test_another_system_prompt_shares_nothing(tokenizer):
 def test_absolute_positions_refuse_compact_placement(tokenizer):
     from family_models import BY_NAME
 
-    pc = PromptCache(BY_NAME["gpt2"].build(len(tokenizer)), tokenizer)
+    pc = PromptCache(BY_NAME["gpt2"].build(len(tokenizer)), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     for mode in ("cached", "reference"):
         with pytest.raises(PMLError, match="cannot move cached modules to other positions: model type 'gpt2'.*"
                                            "absolute position embeddings") as info:
-            pc.generate("\n" + compact(PROMPTS["other-member"]), mode=mode, max_new_tokens=1)
+            pc.generate("\n" + compact(PROMPTS["other-member"]), mode=mode, max_new_tokens=1, recompute=0)
         assert (info.value.line, info.value.column) == (2, 1)
     assert pc.generate(compact(PROMPTS["other-member"]), mode="baseline", max_new_tokens=1).token_ids
     blocks = len(pc.store)
@@ -373,14 +375,14 @@ def relative_families():
 
 @pytest.mark.parametrize("family", relative_families(), ids=lambda f: f.name)
 def test_moving_blocks_is_exact_in_every_relative_family(tokenizer, family):
-    pc = PromptCache(family.build(len(tokenizer)), tokenizer)
+    pc = PromptCache(family.build(len(tokenizer)), tokenizer, placement="schema")
     schema = pc.add_schema(BARE)
     assert not schema.modules[""].token_ids
     for prompt in BARE_PROMPTS:
         plan = pc.request(prompt).plan
         assert any(ref.shifts for ref in plan.blocks), "a block is moved"
-        ref = pc.generate(prompt, mode="reference", max_new_tokens=NEW_TOKENS)
-        got = pc.generate(prompt, max_new_tokens=NEW_TOKENS)
+        ref = pc.generate(prompt, mode="reference", max_new_tokens=NEW_TOKENS, recompute=0)
+        got = pc.generate(prompt, max_new_tokens=NEW_TOKENS, recompute=0)
         assert got.positions == ref.positions
         assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
         assert got.token_ids == ref.token_ids
@@ -391,11 +393,11 @@ def test_moving_blocks_is_exact_in_every_relative_family(tokenizer, family):
 def test_interleaved_rotary_refuses_compact_placement(tokenizer):
     from family_models import BY_NAME
 
-    pc = PromptCache(BY_NAME["cohere"].build(len(tokenizer)), tokenizer)
+    pc = PromptCache(BY_NAME["cohere"].build(len(tokenizer)), tokenizer, placement="schema")
     pc.add_schema(BARE)
     with pytest.raises(PMLError, match="model type 'cohere': the keys of layer 0 move in a way rotate-half RoPE"):
-        pc.generate(BARE_PROMPTS[0], max_new_tokens=1)
-    assert pc.generate(BARE_PROMPTS[0].replace("compact", "schema"), max_new_tokens=1).token_ids
+        pc.generate(BARE_PROMPTS[0], max_new_tokens=1, recompute=0)
+    assert pc.generate(BARE_PROMPTS[0].replace("compact", "schema"), max_new_tokens=1, recompute=0).token_ids
 
 
 MID = """<schema name="mid"><system>Use the notes.</system><module name="a">Note A: the lamp is blue.</module>
@@ -405,7 +407,7 @@ Between the notes.<module name="b">Note B: the door is red.</module></schema>"""
 def test_anonymous_text_that_moves_is_stale_and_recomputed(tokenizer):
     """Importing b alone closes a's gap: the anonymous text between a and b keeps its tokens but
     sits nearer the system prompt than when it was encoded, so it is stale (only for that reason)."""
-    pc = PromptCache(tiny_llama(len(tokenizer), seed=4), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer), seed=4), tokenizer, placement="schema")
     schema = pc.add_schema(MID)
     prompt = '<prompt schema="mid" placement="compact"><b/><user>Which colour?</user><assistant/></prompt>'
     resolved = pc.resolve(prompt)
@@ -421,7 +423,7 @@ def test_anonymous_text_that_moves_is_stale_and_recomputed(tokenizer):
 
 def test_moved_block_over_fragmented_arena_rows(tokenizer):
     """A moved block whose arena rows come in pieces: each piece gets its rows' deltas."""
-    pc = PromptCache(tiny_llama(len(tokenizer), seed=6), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer), seed=6), tokenizer, placement="schema")
     pc.add_schema(BARE)
     arena = pc.scheduler.arena
     with pc.model_lock:
@@ -430,10 +432,10 @@ def test_moved_block_over_fragmented_arena_rows(tokenizer):
         arena.release(second)
         arena.poison_()
     prompt = BARE_PROMPTS[1]
-    got = pc.generate(prompt, max_new_tokens=NEW_TOKENS)
+    got = pc.generate(prompt, max_new_tokens=NEW_TOKENS, recompute=0)
     moved = [b for b in arena.blocks.values() if isinstance(b.key, tuple)]
     assert any(b.rows[0] < held[0] < b.rows[-1] for b in moved), "a moved block spans the held rows"
-    ref = pc.generate(prompt, mode="reference", max_new_tokens=NEW_TOKENS)
+    ref = pc.generate(prompt, mode="reference", max_new_tokens=NEW_TOKENS, recompute=0)
     assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
     assert got.token_ids == ref.token_ids
     with pc.model_lock:

@@ -40,7 +40,7 @@ def tiny_llama(vocab_size: int, *, seed: int = 0, layers: int = 2, dtype=torch.f
 
 @pytest.fixture(scope="module")
 def cache(tokenizer):
-    return PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    return PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
 
 
 SCHEMA = """
@@ -234,19 +234,35 @@ def test_bad_schema_file_is_located_and_changes_nothing(cache, schema, tmp_path,
     assert (dict(cache.schemas), len(cache.store)) == before
 
 
-@pytest.mark.parametrize("body, module, column", [
-    ("<intro/>", "intro", 24),
-    # The argument is computed, but the module's cached text after it comes last: answering from
-    # the argument's states used to differ from the reference by O(1) in the first logits.
-    ('<user>Plan:</user>\n<plan duration="3" who="two"/>', "plan", 1),
-])
-def test_prompt_ending_with_a_cached_token_is_a_located_error(cache, schema, body, module, column):
-    for mode in ("cached", "reference"):
-        with pytest.raises(PMLError, match=f"the prompt ends with module '{module}': its last token "
-                                           r"\(position \d+\) is cached") as info:
-            cache.generate(f'<prompt schema="guide">{body}</prompt>', mode=mode, max_new_tokens=1)
-        assert (info.value.line, info.value.column) == (body.count("\n") + 1, column)
-    assert cache.generate(f'<prompt schema="guide">{body}</prompt>', mode="baseline", max_new_tokens=1).token_ids
+ENDING_WITH_AN_IMPORT = [
+    "<intro/>",
+    "<intro/><paris/>",
+    "",  # the schema's anonymous text alone
+    # The argument is computed, but the module's cached text after it comes last.
+    '<user>Plan:</user>\n<plan duration="3" who="two"/>',
+    "<tokyo/><pair/>",
+]
+
+
+@pytest.mark.parametrize("placement, body", [*(("schema", b) for b in ENDING_WITH_AN_IMPORT),
+                                             *(("compact", b) for b in ENDING_WITH_AN_IMPORT[:3])])
+def test_a_prompt_ending_with_an_import_is_answered_exactly(tokenizer, body, placement):
+    """The last cached token is computed afresh over every earlier live token (its cached row
+    hidden): equal to the reference forward with the same token recomputed, whatever else the
+    defaults recompute. Compact prompts only where nothing moved against the anonymous text (the
+    reference's limit, ``test_defaults``)."""
+    cache = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement=placement)
+    cache.add_schema(SCHEMA)
+    text = f'<prompt schema="guide">{body}</prompt>'
+    got = cache.generate(text, max_new_tokens=6)
+    ref = cache.generate(text, mode="reference", max_new_tokens=6)
+    assert got.token_ids == ref.token_ids
+    assert torch.isfinite(got.first_logits).all()
+    assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
+    pure = cache.generate(text, max_new_tokens=6, recompute=0)
+    assert pure.computed_tokens >= 1 and pure.cached_tokens + pure.computed_tokens <= len(pure.prompt_token_ids)
+    assert cache.generate(text, mode="baseline", max_new_tokens=1).token_ids
+    cache.close()
 
 
 def test_streaming_yields_the_generated_text(cache, schema):
@@ -275,7 +291,7 @@ def test_sampling_is_seeded(cache, schema):
 
 
 def test_bf16_cached_matches_reference(tokenizer):
-    pc = PromptCache(tiny_llama(len(tokenizer), seed=1, dtype=torch.bfloat16), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer), seed=1, dtype=torch.bfloat16), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     for name in ("everything", "params-short", "scaffold-all"):
         ref = pc.generate(PROMPTS[name], mode="reference", max_new_tokens=1)
@@ -291,7 +307,7 @@ def test_unsupported_model_is_a_clear_error(tokenizer):
     model = RwkvForCausalLM(RwkvConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16,
                                        intermediate_size=32, context_length=64))
     with pytest.raises(UnsupportedModelError, match="llama"):
-        PromptCache(model, tokenizer)
+        PromptCache(model, tokenizer, placement="schema")
 
 
 def test_prompt_filling_max_positions_is_refused(tokenizer):
@@ -299,7 +315,7 @@ def test_prompt_filling_max_positions_is_refused(tokenizer):
     refuses it with the error complete() raises, which is also a PMLError (as every PML rejection)."""
     from pckernels import PromptTooLongError
 
-    pc = PromptCache(tiny_llama(len(tokenizer), max_position_embeddings=64), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer), max_position_embeddings=64), tokenizer, placement="schema")
     pc.add_schema('<schema name="short"><system>Be brief.</system></schema>')
     prompts = ['<prompt schema="short"><user>' + " a" * k + "</user><assistant/></prompt>" for k in range(64)]
     full = next(p for p in prompts if max(pc.resolve(p).position_ids) == 63)
@@ -315,16 +331,17 @@ def test_store_dir_false_means_the_same_in_both_constructors(tokenizer, tmp_path
     """``store_dir=False``: no disk tier, in ``PromptCache(...)`` as in ``from_pretrained``;
     ``True``: the default directory."""
     model = tiny_llama(len(tokenizer))
-    assert PromptCache(model, tokenizer, store_dir=False).store.disk is None
+    assert PromptCache(model, tokenizer, store_dir=False, placement="schema").store.disk is None
     monkeypatch.setenv("PROMPTCACHE_CACHE_DIR", str(tmp_path))
-    assert PromptCache(model, tokenizer, store_dir=True).store.disk is not None
+    assert PromptCache(model, tokenizer, store_dir=True, placement="schema").store.disk is not None
 
 
 def test_prompt_and_answer_fit_the_models_positions(tokenizer):
     """A 50-token prompt on a 64-position model answers 14 tokens (positions 50 to 63) with
     ``"length"``: prompt and answer together can be sent again; PML prompts and drafts alike."""
     for lookahead in (0, 4):
-        pc = PromptCache(tiny_llama(len(tokenizer), max_position_embeddings=64), tokenizer, lookahead=lookahead)
+        pc = PromptCache(tiny_llama(len(tokenizer), max_position_embeddings=64), tokenizer, lookahead=lookahead,
+                         placement="schema")
         ids = [(7 * i) % 200 + 3 for i in range(50)]
         no_eos = {t: -100.0 for t in pc.eos_ids}
         result = pc.complete(ids, max_new_tokens=30, logit_bias=no_eos)
@@ -341,7 +358,7 @@ def test_embedded_model_demo_schema_is_exact():
     from importlib import resources
     import json
 
-    pc = PromptCache.from_pretrained("smollm2")
+    pc = PromptCache.from_pretrained("smollm2", placement="schema")
     demo = resources.files("pckernels") / "data" / "demo"
     with resources.as_file(demo / "city_guide.xml") as path:
         pc.add_schema(path)

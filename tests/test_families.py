@@ -59,7 +59,7 @@ def prompt_cache(name: str, tokenizer, native: bool = True) -> PromptCache:
     it applies, or HF's modules), built on first use."""
     if (name, native) not in _caches:
         with contextlib.nullcontext() if native else hf_forward():
-            pc = PromptCache(BY_NAME[name].build(len(tokenizer)), tokenizer)
+            pc = PromptCache(BY_NAME[name].build(len(tokenizer)), tokenizer, placement="schema")
         pc.add_schema(SCHEMA)
         _caches[name, native] = pc
     return _caches[name, native]
@@ -231,7 +231,7 @@ def test_kv_probe_refuses_keys_and_values_of_different_shapes(tokenizer):
 def test_gpt2_schema_must_fit_n_positions(tokenizer):
     small = BY_NAME["gpt2"].build(len(tokenizer))
     small.config.n_positions = 64
-    pc = PromptCache(small, tokenizer)
+    pc = PromptCache(small, tokenizer, placement="schema")
     assert pc.adapter.max_positions() == 64
     with pytest.raises(PMLError, match="64"):
         pc.add_schema(SCHEMA)
@@ -243,7 +243,7 @@ def test_unsupported_family_names_the_supported_ones(tokenizer):
     model = RwkvForCausalLM(RwkvConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16,
                                        intermediate_size=32, context_length=64))
     with pytest.raises(UnsupportedModelError) as err:
-        PromptCache(model, tokenizer)
+        PromptCache(model, tokenizer, placement="schema")
     for family in ("llama", "gemma3_text", "falcon", "mpt", "bloom", "gpt2"):
         assert family in str(err.value)
         assert family in supported_families()

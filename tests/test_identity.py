@@ -82,16 +82,16 @@ def test_from_pretrained_identifies_a_local_model_by_its_files(tokenizer, tmp_pa
         tuned.model.layers[0].mlp.down_proj.weight[7, 11] += 1e-3
     a_dir = _save(base, tokenizer, tmp_path / "a")
     b_dir = _save(tuned, tokenizer, tmp_path / "b")
-    a = PromptCache.from_pretrained(str(a_dir), store_dir=False, dtype=torch.float32)
-    b = PromptCache.from_pretrained(str(b_dir), store_dir=False, dtype=torch.float32)
+    a = PromptCache.from_pretrained(str(a_dir), store_dir=False, dtype=torch.float32, placement="schema")
+    b = PromptCache.from_pretrained(str(b_dir), store_dir=False, dtype=torch.float32, placement="schema")
     assert a.model_id != b.model_id
     assert a.model_id == model_fingerprint(a.model, torch.float32, weight_files(a_dir))
     assert [p.name for p in weight_files(a_dir)] == ["model.safetensors"]
     assert (cache_dir / "identity.json").is_file()
-    again = PromptCache.from_pretrained(str(a_dir), store_dir=False, dtype=torch.float32)
+    again = PromptCache.from_pretrained(str(a_dir), store_dir=False, dtype=torch.float32, placement="schema")
     assert again.model_id == a.model_id
 
 
 def test_prompt_cache_takes_an_explicit_identity(tokenizer):
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, model_id="my-model-v3")
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, model_id="my-model-v3", placement="schema")
     assert pc.model_id == "my-model-v3"

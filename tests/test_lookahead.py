@@ -47,7 +47,7 @@ def test_drafter_edges():
 def engines(tokenizer):  # noqa: F811
     out = []
     for lookahead in (0, LOOKAHEAD):
-        pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, lookahead=lookahead)
+        pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, lookahead=lookahead, placement="schema")
         pc.add_schema(SCHEMA)
         out.append(pc)
     return out
@@ -131,4 +131,4 @@ def test_lookahead_under_threads_equals_serial(engines):
 
 def test_negative_lookahead_is_refused(tokenizer):  # noqa: F811
     with pytest.raises(ValueError, match="lookahead"):
-        PromptCache(tiny_llama(len(tokenizer)), tokenizer, lookahead=-1)
+        PromptCache(tiny_llama(len(tokenizer)), tokenizer, lookahead=-1, placement="schema")

@@ -15,7 +15,7 @@ PROMPT = PROMPTS["all-of-union-one"]
 
 @pytest.fixture
 def pc(tokenizer):
-    engine = PromptCache(tiny_llama(len(tokenizer)), tokenizer, store_dir=None)
+    engine = PromptCache(tiny_llama(len(tokenizer)), tokenizer, store_dir=None, placement="schema")
     yield engine
     engine.close()
 

@@ -174,15 +174,15 @@ def test_a_wrong_native_forward_falls_back_to_hf(tokenizer, monkeypatch, caplog)
 
 def test_bf16_matmul_is_refused_where_it_cannot_run(tokenizer):  # noqa: F811
     with pytest.raises(ValueError, match="native forward"):
-        PromptCache(BY_NAME["gpt2"].build(len(tokenizer)), tokenizer, matmul="bf16")
+        PromptCache(BY_NAME["gpt2"].build(len(tokenizer)), tokenizer, matmul="bf16", placement="schema")
     with pytest.raises(ValueError, match="matmul must be one of"):
-        PromptCache(BY_NAME["llama"].build(len(tokenizer)), tokenizer, matmul="int3")
+        PromptCache(BY_NAME["llama"].build(len(tokenizer)), tokenizer, matmul="int3", placement="schema")
 
 
 @pytest.mark.skipif(not bf16_matmul_supported(), reason="no native bf16 matmul on this CPU")
 def test_bf16_matmul_stays_close_and_is_keyed_apart(tokenizer):  # noqa: F811
     fp32 = prompt_cache("llama", tokenizer)
-    pc = PromptCache(BY_NAME["llama"].build(len(tokenizer)), tokenizer, matmul="bf16")
+    pc = PromptCache(BY_NAME["llama"].build(len(tokenizer)), tokenizer, matmul="bf16", placement="schema")
     pc.add_schema(SCHEMA)
     assert pc.numerics == "cpu/native-bf16"
     key = pc.block_key(pc.schemas["guide"], "paris")
@@ -200,7 +200,7 @@ def test_bf16_matmul_stays_close_and_is_keyed_apart(tokenizer):  # noqa: F811
 def test_model_work_runs_on_the_scheduler_thread(tokenizer, monkeypatch):  # noqa: F811
     """Encoding, answering and deviation scoring all run forwards on one thread (OpenMP teams
     per thread make a second one slow: ``pckernels.engine.threads``)."""
-    pc = PromptCache(BY_NAME["llama"].build(len(tokenizer)), tokenizer)
+    pc = PromptCache(BY_NAME["llama"].build(len(tokenizer)), tokenizer, placement="schema")
     seen = set()
     layer = pc.adapter.native.layers[0]
     original = layer.o
@@ -229,7 +229,7 @@ def test_model_work_runs_on_the_scheduler_thread(tokenizer, monkeypatch):  # noq
 
 
 def test_scheduler_calls_return_raise_and_run_inline_under_the_lock(tokenizer):  # noqa: F811
-    pc = PromptCache(BY_NAME["llama"].build(len(tokenizer)), tokenizer)
+    pc = PromptCache(BY_NAME["llama"].build(len(tokenizer)), tokenizer, placement="schema")
     assert pc.scheduler.call(lambda: threading.current_thread().name) == "promptcache-scheduler"
     with pytest.raises(KeyError):
         pc.scheduler.call(lambda: {}["missing"])

@@ -35,7 +35,7 @@ TINY_SHAPE = dict(gpu_suite.DRY_RUN_SHAPE, vocab_size=VOCAB, hidden_size=48, num
 def engine():
     torch.manual_seed(0)
     return PromptCache(gpu_suite.random_llama(TINY_SHAPE, "cpu", torch.float32), WordTokenizer(VOCAB),
-                       prefix_block_size=SuiteConfig.tiny().prefix_block_size)
+                       prefix_block_size=SuiteConfig.tiny().prefix_block_size, placement="schema")
 
 
 def test_every_experiment_runs_and_is_reported(engine, tmp_path):

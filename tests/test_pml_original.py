@@ -83,7 +83,7 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    cache = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    cache = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     for path in SCHEMA_FILES:
         if path.name != "schema_summary_sample.xml":
             cache.add_schema(path)
@@ -208,7 +208,7 @@ def test_overlong_parameter_scaffold_is_ignored_with_a_warning(caplog):
 
 
 def test_uncached_module_computed_like_text_matches_reference(tokenizer):
-    cache = PromptCache(tiny_llama(len(tokenizer), seed=2), tokenizer)
+    cache = PromptCache(tiny_llama(len(tokenizer), seed=2), tokenizer, placement="schema")
     cache.add_schema('<schema name="c"><system>Be brief.</system><module name="doc">The sky is blue.</module>'
                      '<module name="today" cache="false">Today is <param name="day" len="4"/>, sunny.</module>'
                      '<module name="tail">Answer questions.</module></schema>')

@@ -318,20 +318,16 @@ def test_schema_given_directly():
     assert prompt("<sys/>", TRAVEL).modules == (ROOT, "sys")
 
 
-def test_check_answerable_locates_what_comes_last():
+def test_check_answerable_refuses_only_a_prompt_without_tokens():
+    """A prompt may end with an import (the engine computes that token afresh); one without tokens
+    is a located error in every mode."""
     check_answerable(prompt("<trip/> go"))
     check_answerable(prompt('<r extra="ab"/>'))
-    with pytest.raises(PMLError, match="ends with module 'paris'") as info:
-        check_answerable(prompt("<sys/>\n <paris/>"))
-    assert (info.value.line, info.value.column) == (2, 2)
-    with pytest.raises(PMLError, match="ends with module 'trip'") as info:
-        check_answerable(prompt('<trip duration="x"/>'))
+    check_answerable(prompt("<sys/>\n <paris/>"))
+    check_answerable(prompt('<trip duration="x"/>'))
     check_answerable(prompt("<q/>"), baseline=True)
     bare = parse_schema('<schema name="b"><module name="m">m</module></schema>', TOK)
     empty = parse_prompt('<prompt schema="b"/>', bare, label="p.xml")
-    with pytest.raises(PMLError, match=r"^p.xml: line 1, column 1: the prompt has no tokens"):
-        check_answerable(empty, baseline=True)
-    with pytest.raises(PMLError, match="ends with the schema's anonymous text") as info:
-        check_answerable(parse_prompt('<prompt schema="a"><m/></prompt>', parse_schema(
-            '<schema name="a"><module name="m">m</module>Answer:</schema>', TOK)))
-    assert (info.value.line, info.value.column) == (1, 1)
+    for baseline in (False, True):
+        with pytest.raises(PMLError, match=r"^p.xml: line 1, column 1: the prompt has no tokens"):
+            check_answerable(empty, baseline=baseline)

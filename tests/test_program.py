@@ -48,7 +48,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def cache(tokenizer):
-    return PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    return PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
 
 
 def _call(name: str) -> ProgramCall:
@@ -160,7 +160,7 @@ def test_original_compilers_readme_example():
 
 
 def test_argument_at_max_length_passes_and_longer_is_refused_changing_nothing(tokenizer):
-    cache = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    cache = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     ten = "one two three four five six seven eight nine ten"
     assert len(tokenizer(ten, add_special_tokens=False).input_ids) == 10
     fits = " ".join(["go"] * 8)
@@ -175,7 +175,7 @@ def test_argument_at_max_length_passes_and_longer_is_refused_changing_nothing(to
 
 
 def test_concurrent_first_calls_install_the_schema_once(tokenizer):
-    cache = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    cache = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     results, errors = {}, []
 
     def run(index: int) -> None:
@@ -219,13 +219,14 @@ def test_bos_and_plain_format_tokenizers():
         assert ex.literal.function() == "System: You are terse.\nUser: Say hi.\nAssistant:"
 
 
-def test_cached_prompt_must_end_with_computed_text(cache):
-    """A program whose last piece is a module (a sub-program) renders and runs in baseline mode;
-    cached mode refuses it, as for any PML prompt ending with a cached token."""
+def test_a_program_ending_with_a_module_is_answered_like_its_reference(cache):
+    """A program whose last piece is a module (a sub-program) runs in every mode; cached mode
+    computes its last cached token afresh, as for any PML prompt ending with an import."""
     call = ex.trip("3", "two", food=True)
     assert cache.generate(call, mode="baseline", max_new_tokens=1).prompt_token_ids
-    with pytest.raises(PMLError, match="cached token|comes last|last"):
-        cache.generate(call, mode="cached", max_new_tokens=1)
+    ref = cache.generate(call, mode="reference", max_new_tokens=4)
+    got = cache.generate(call, mode="cached", max_new_tokens=4)
+    assert got.token_ids == ref.token_ids and got.computed_tokens >= 1
 
 
 def test_changed_constant_is_refused_at_call_time():

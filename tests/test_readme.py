@@ -14,12 +14,18 @@ def test_readme_pml_examples_run(tmp_path, tokenizer):
     schema_text, prompt_text = re.findall(r"```xml\n(.*?)```", README, re.S)[:2]
     (tmp_path / "manual.txt").write_text("The manual says: press the red button twice.")
     (tmp_path / "travel.xml").write_text(schema_text)
-    cache = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
-    cache.add_schema(tmp_path / "travel.xml")
-    ref = cache.generate(prompt_text, mode="reference", max_new_tokens=4)
-    got = cache.generate(prompt_text, max_new_tokens=4)
+    model = tiny_llama(len(tokenizer))
+    exact = PromptCache(model, tokenizer, placement="schema")
+    exact.add_schema(tmp_path / "travel.xml")
+    ref = exact.generate(prompt_text, mode="reference", max_new_tokens=4)
+    got = exact.generate(prompt_text, max_new_tokens=4)
     assert got.token_ids == ref.token_ids
     assert (got.first_logits - ref.first_logits).abs().max().item() <= 1e-3
+    default = PromptCache(model, tokenizer)
+    default.add_schema(tmp_path / "travel.xml")
+    assert default.resolve(prompt_text).placement == "compact"
+    spelled = default.generate(prompt_text, max_new_tokens=4, recompute=8, recompute_policy="epic")
+    assert default.generate(prompt_text, max_new_tokens=4).token_ids == spelled.token_ids
 
 
 def test_readme_tour_prompts_parse(tokenizer):

@@ -28,7 +28,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def cache(tokenizer):
-    pc = PromptCache(tiny_llama(len(tokenizer), seed=3), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer), seed=3), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     return pc
 

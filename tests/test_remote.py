@@ -58,7 +58,7 @@ def redis_server():
 @pytest.fixture(scope="module")
 def expected(model, tokenizer):
     """Outputs of an engine without any remote tier."""
-    pc = PromptCache(model, tokenizer)
+    pc = PromptCache(model, tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     out = answers(pc)
     out["plain"] = pc.complete(LONG_PLAIN, max_new_tokens=NEW_TOKENS)
@@ -175,7 +175,7 @@ def test_bad_urls_are_refused_before_the_model_is_touched(model, tokenizer, url)
     with pytest.raises(ValueError, match="remote"):
         parse_remote_url(url)
     with pytest.raises(ValueError):
-        PromptCache.from_pretrained("smollm2", remote=url)
+        PromptCache.from_pretrained("smollm2", remote=url, placement="schema")
 
 
 def test_valkey_urls_and_passwords():
@@ -213,7 +213,7 @@ def _summary(result):
 
 
 def _encode_and_answer(model, tokenizer, url, store_dir=None):
-    pc = PromptCache(model, tokenizer, remote=url, store_dir=store_dir)
+    pc = PromptCache(model, tokenizer, remote=url, store_dir=store_dir, placement="schema")
     pc.add_schema(SCHEMA)
     out = {name: _summary(r) for name, r in answers(pc).items()}
     out["plain"] = _summary(pc.complete(LONG_PLAIN, max_new_tokens=NEW_TOKENS))
@@ -240,12 +240,12 @@ def test_a_fresh_process_answers_from_blocks_another_encoded(model, tokenizer, r
 
 
 def test_warming_a_schema_the_fleet_has_loads_it_in_the_background(model, tokenizer, redis_server, expected):
-    seed = PromptCache(model, tokenizer, remote=redis_server.url)
+    seed = PromptCache(model, tokenizer, remote=redis_server.url, placement="schema")
     seed.add_schema(SCHEMA)
     blocks = len(seed.store)
     assert seed.store.flush(10)
     seed.close()
-    pc = PromptCache(model, tokenizer, remote=redis_server.url)
+    pc = PromptCache(model, tokenizer, remote=redis_server.url, placement="schema")
     assert pc.warm_schema(pc.add_schema(SCHEMA)) == blocks
     deadline = time.monotonic() + 20
     while pc.stats()["prefetched"] < blocks and time.monotonic() < deadline:
@@ -259,7 +259,7 @@ def test_warming_a_schema_the_fleet_has_loads_it_in_the_background(model, tokeni
 
 
 def _encode_at_barrier(model, tokenizer, url, barrier):
-    pc = PromptCache(model, tokenizer, remote=url)
+    pc = PromptCache(model, tokenizer, remote=url, placement="schema")
     barrier.wait()
     pc.add_schema(SCHEMA)
     out = {name: _summary(r) for name, r in answers(pc).items()}
@@ -272,7 +272,7 @@ def _encode_at_barrier(model, tokenizer, url, barrier):
 def test_two_processes_encoding_at_once_leave_one_copy(model, tokenizer, redis_server):
     """Both start encoding the same schema at one barrier: the encoding leases make each unit
     encoded once across the two (the other waits for its upload), and one copy of each is stored."""
-    solo = PromptCache(model, tokenizer)
+    solo = PromptCache(model, tokenizer, placement="schema")
     solo.add_schema(SCHEMA)
     units = solo.stats()["encodes"]
     solo.close()
@@ -304,7 +304,7 @@ def test_two_processes_encoding_at_once_leave_one_copy(model, tokenizer, redis_s
 
 def test_a_lease_whose_holder_never_uploads_is_waited_out(model, tokenizer, redis_server, expected):
     """A holder that died mid-encode leaves its lease: the others wait until it expires, then encode."""
-    pc = PromptCache(model, tokenizer, remote=RemoteTier(redis_server.url, lease_s=1.0))
+    pc = PromptCache(model, tokenizer, remote=RemoteTier(redis_server.url, lease_s=1.0), placement="schema")
     client = redis_server.client()
     schema = pc.parse_schema(SCHEMA)
     first = pc.block_key(schema, next(name for name, m in schema.modules.items() if m.cached))
@@ -319,7 +319,7 @@ def test_a_lease_whose_holder_never_uploads_is_waited_out(model, tokenizer, redi
 
 
 def test_tenants_never_share_or_collide(model, tokenizer, redis_server):
-    pc = PromptCache(model, tokenizer, remote=redis_server.url)
+    pc = PromptCache(model, tokenizer, remote=redis_server.url, placement="schema")
     pc.add_schema(SCHEMA, salt="tenant-a")
     pc.store.flush(10)
     client = redis_server.client()
@@ -329,14 +329,14 @@ def test_tenants_never_share_or_collide(model, tokenizer, redis_server):
     assert len(meta_keys(client)) == 2 * per_tenant
     assert pc.stats()["remote"]["present"] == 0
     pc.close()
-    other = PromptCache(model, tokenizer, remote=redis_server.url)
+    other = PromptCache(model, tokenizer, remote=redis_server.url, placement="schema")
     other.add_schema(SCHEMA, salt="tenant-c")
     assert other.stats()["encodes"] > 0 and other.stats()["remote"]["hits"] == 0
     got = answers(other, salt="tenant-c")
     plain = other.submit(other.complete_request(LONG_PLAIN, max_new_tokens=NEW_TOKENS, salt="tenant-c")).result()
     assert other.stats()["prefix"]["restored_tokens"] == 0
     other.store.flush(10)
-    shared = PromptCache(model, tokenizer, remote=redis_server.url)
+    shared = PromptCache(model, tokenizer, remote=redis_server.url, placement="schema")
     shared.add_schema(SCHEMA, salt="tenant-c")
     assert shared.stats()["encodes"] == 0
     for name, result in answers(shared, salt="tenant-c").items():
@@ -356,7 +356,7 @@ def test_tenants_never_share_or_collide(model, tokenizer, redis_server):
 
 def test_killed_then_restarted_empty(model, tokenizer, redis_server, expected):
     tier = RemoteTier(redis_server.url, timeout_s=0.5, connect_timeout_s=0.2, backoff_s=(0.1, 0.4))
-    pc = PromptCache(model, tokenizer, remote=tier, device_budget=0, host_budget=0)
+    pc = PromptCache(model, tokenizer, remote=tier, device_budget=0, host_budget=0, placement="schema")
     pc.add_schema(SCHEMA)
     assert pc.store.flush(10)
     redis_server.kill()
@@ -376,11 +376,11 @@ def test_killed_then_restarted_empty(model, tokenizer, redis_server, expected):
     assert stats["up"] and stats["reconnects"] >= 1 and stats["writes"] > 0
     assert meta_keys(redis_server.client()), "the restarted server was not repopulated"
     pc.close()
-    encoder = PromptCache(model, tokenizer, remote=redis_server.url)
+    encoder = PromptCache(model, tokenizer, remote=redis_server.url, placement="schema")
     encoder.add_schema(SCHEMA)
     assert encoder.stats()["encodes"] > 0 and encoder.store.flush(10)
     encoder.close()
-    fresh = PromptCache(model, tokenizer, remote=redis_server.url)
+    fresh = PromptCache(model, tokenizer, remote=redis_server.url, placement="schema")
     fresh.add_schema(SCHEMA)
     for name in ORDER:
         fresh.generate(PROMPTS[name], max_new_tokens=1)
@@ -389,11 +389,12 @@ def test_killed_then_restarted_empty(model, tokenizer, redis_server, expected):
 
 
 def test_a_slow_server_times_out_and_the_request_completes(model, tokenizer, redis_server, expected):
-    seed = PromptCache(model, tokenizer, remote=redis_server.url)
+    seed = PromptCache(model, tokenizer, remote=redis_server.url, placement="schema")
     seed.add_schema(SCHEMA)
     seed.store.flush(10)
     seed.close()
-    pc = PromptCache(model, tokenizer, remote=RemoteTier(redis_server.url, timeout_s=0.3, connect_timeout_s=0.2))
+    pc = PromptCache(model, tokenizer, remote=RemoteTier(redis_server.url, timeout_s=0.3, connect_timeout_s=0.2),
+                     placement="schema")
     pc.store.remote.contains(key("e"))
     sleeper = threading.Thread(target=lambda: redis_server.client().execute_command("DEBUG", "SLEEP", "4"))
     sleeper.start()
@@ -413,7 +414,7 @@ def test_a_full_server_refuses_writes_and_answers_stay_exact(model, tokenizer, r
     client = redis_server.client()
     client.config_set("maxmemory-policy", "noeviction")
     client.config_set("maxmemory", 1)
-    pc = PromptCache(model, tokenizer, remote=redis_server.url)
+    pc = PromptCache(model, tokenizer, remote=redis_server.url, placement="schema")
     pc.add_schema(SCHEMA)
     assert pc.store.flush(10)
     for name, result in answers(pc).items():
@@ -426,14 +427,14 @@ def test_a_full_server_refuses_writes_and_answers_stay_exact(model, tokenizer, r
 
 
 def test_an_evicted_chunk_is_detected_and_re_encoded(model, tokenizer, redis_server, expected):
-    seed = PromptCache(model, tokenizer, remote=RemoteTier(redis_server.url, chunk_bytes=512))
+    seed = PromptCache(model, tokenizer, remote=RemoteTier(redis_server.url, chunk_bytes=512), placement="schema")
     seed.add_schema(SCHEMA)
     seed.store.flush(10)
     seed.close()
     client = redis_server.client()
     chunks = sorted(client.scan_iter(match="promptcache:kv:*:*:1"))
     client.delete(chunks[0])
-    pc = PromptCache(model, tokenizer, remote=RemoteTier(redis_server.url, chunk_bytes=512))
+    pc = PromptCache(model, tokenizer, remote=RemoteTier(redis_server.url, chunk_bytes=512), placement="schema")
     pc.add_schema(SCHEMA)
     for name, result in answers(pc).items():
         assert same(result, expected[name]), name
@@ -443,7 +444,7 @@ def test_an_evicted_chunk_is_detected_and_re_encoded(model, tokenizer, redis_ser
     assert stats["remote"]["hits"] > 0
     assert pc.store.flush(10) and pc.stats()["remote"]["writes"] >= 1, "the re-encoded block was not written back"
     pc.close()
-    third = PromptCache(model, tokenizer, remote=redis_server.url)
+    third = PromptCache(model, tokenizer, remote=redis_server.url, placement="schema")
     third.add_schema(SCHEMA)
     for name, result in answers(third).items():
         assert same(result, expected[name]), name
@@ -472,7 +473,7 @@ def _hybrid_answers(url, salt, store_dir=None):
 
     byte_tokenizer = tiny_tokenizer()
     pc = PromptCache(tiny_model("qwen3_next", len(byte_tokenizer)), byte_tokenizer, remote=url, store_dir=store_dir,
-                     prefix_block_size=32)
+                     prefix_block_size=32, placement="schema")
     out = [_summary(pc.submit(pc.complete_request(LONG_PLAIN + f" Question {i}?", max_new_tokens=NEW_TOKENS,
                                                   salt=salt)).result()) for i in range(2)]
     assert pc.store.flush(30)

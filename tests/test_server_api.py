@@ -343,3 +343,42 @@ def test_tool_calls_are_parsed_from_hermes_blocks():
     assert parse("no calls here") == ("no calls here", [])
     content, calls = parse('<tool_call>\n{"name": "c", "arguments": {"y": [1]}}')
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"y": [1]}, "a missing close"
+
+
+def test_pml_gets_the_default_recompute_unless_it_says(server, library):
+    """A PML request that names no recompute gets the engine's default (compact placement: the
+    first 8 stale tokens of each module recomputed), as in the library; ``recompute: 0`` none."""
+    from test_server import PML, SCHEMA, _wait_ready
+
+    assert httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).status_code in (200, 202)
+    _wait_ready(server, "docs", "none")
+    if "docs" not in library.schemas:
+        library.add_schema(SCHEMA)
+    client = server.client()
+    for extra, options in (({}, {}), ({"recompute": 0}, {"recompute": 0}),
+                           ({"recompute": 0.5, "recompute_policy": "first"}, {"recompute": 0.5})):
+        ref = library.generate(PML, max_new_tokens=8, **options)
+        reply = client.completions.create(model=MODEL, prompt="", max_tokens=8, temperature=0,
+                                          extra_body={"pml": PML, **extra})
+        assert reply.choices[0].text == ref.text
+        assert reply.usage.prompt_tokens_details.cached_tokens == ref.cached_tokens
+    assert library.resolve(PML).placement == "compact"
+    assert (library.generate(PML, max_new_tokens=1).computed_tokens
+            > library.generate(PML, max_new_tokens=1, recompute=0).computed_tokens)
+
+
+def test_a_pml_prompt_ending_with_an_import_is_answered(server, library):
+    """``<prompt schema="docs"><alpha/></prompt>`` continues the document: its last token computed
+    afresh, the answer the library's (which equals the reference forward, test_engine)."""
+    from test_server import SCHEMA, _wait_ready
+
+    assert httpx.post(server.url + "/v1/schemas", json={"pml": SCHEMA}).status_code in (200, 202)
+    _wait_ready(server, "docs", "none")
+    if "docs" not in library.schemas:
+        library.add_schema(SCHEMA)
+    for pml in ('<prompt schema="docs"><alpha/></prompt>', '<prompt schema="docs"><beta/><alpha/></prompt>'):
+        ref = library.generate(pml, max_new_tokens=8)
+        reply = server.client().completions.create(model=MODEL, prompt="", max_tokens=8, temperature=0,
+                                                   extra_body={"pml": pml})
+        assert reply.choices[0].text == ref.text and ref.token_ids
+        assert reply.usage.prompt_tokens_details.cached_tokens == ref.cached_tokens

@@ -34,7 +34,7 @@ def model(tokenizer):
 @pytest.fixture(scope="module")
 def expected(model, tokenizer):
     """Outputs of a cache that never evicts (default budgets, no disk)."""
-    pc = PromptCache(model, tokenizer)
+    pc = PromptCache(model, tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     out = {name: fresh(pc, PROMPTS[name], max_new_tokens=NEW_TOKENS) for name in ORDER}
     assert pc.stats()["device"]["evictions"] == 0
@@ -71,7 +71,7 @@ def run_all(pc: PromptCache, expected, rounds: int = 2) -> None:
 @pytest.fixture(scope="module")
 def sizes(model, tokenizer):
     """Byte sizes of the schema's blocks, smallest first."""
-    pc = PromptCache(model, tokenizer)
+    pc = PromptCache(model, tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     store = pc.store
     return sorted(store.device_tier.blocks[k].numel() * store.device_tier.blocks[k].element_size()
@@ -80,7 +80,7 @@ def sizes(model, tokenizer):
 
 def test_demotion_and_disk_reload_are_exact(model, tokenizer, expected, sizes, tmp_path):
     pc = PromptCache(model, tokenizer, store_dir=tmp_path, device_budget=2 * sizes[-1],
-                     host_budget=2 * sizes[-1], disk_budget=10 * sum(sizes))
+                     host_budget=2 * sizes[-1], disk_budget=10 * sum(sizes), placement="schema")
     pc.add_schema(SCHEMA)
     assert_within_budgets(pc)
     run_all(pc, expected)
@@ -92,7 +92,7 @@ def test_demotion_and_disk_reload_are_exact(model, tokenizer, expected, sizes, t
 
 
 def test_eviction_without_disk_reencodes_exactly(model, tokenizer, expected, sizes):
-    pc = PromptCache(model, tokenizer, device_budget=sizes[-1], host_budget=sizes[-1])
+    pc = PromptCache(model, tokenizer, device_budget=sizes[-1], host_budget=sizes[-1], placement="schema")
     pc.add_schema(SCHEMA)
     run_all(pc, expected)
     stats = pc.stats()
@@ -102,7 +102,7 @@ def test_eviction_without_disk_reencodes_exactly(model, tokenizer, expected, siz
 
 
 def test_zero_memory_budgets_still_exact(model, tokenizer, expected, tmp_path):
-    pc = PromptCache(model, tokenizer, store_dir=tmp_path, device_budget=0, host_budget=0)
+    pc = PromptCache(model, tokenizer, store_dir=tmp_path, device_budget=0, host_budget=0, placement="schema")
     pc.add_schema(SCHEMA)
     run_all(pc, expected, rounds=1)
     assert pc.store.nbytes() == 0
@@ -110,10 +110,10 @@ def test_zero_memory_budgets_still_exact(model, tokenizer, expected, tmp_path):
 
 
 def test_restart_loads_from_disk_instead_of_encoding(model, tokenizer, expected, sizes, tmp_path):
-    first = PromptCache(model, tokenizer, store_dir=tmp_path)
+    first = PromptCache(model, tokenizer, store_dir=tmp_path, placement="schema")
     first.add_schema(SCHEMA)
     assert first.stats()["disk"]["writes"] == len(sizes)
-    restarted = PromptCache(model, tokenizer, store_dir=tmp_path)
+    restarted = PromptCache(model, tokenizer, store_dir=tmp_path, placement="schema")
     restarted.add_schema(SCHEMA)
     run_all(restarted, expected, rounds=1)
     stats = restarted.stats()
@@ -124,7 +124,7 @@ def test_restart_loads_from_disk_instead_of_encoding(model, tokenizer, expected,
 def _encode_in_child(model, tokenizer, store_dir, barrier) -> None:
     torch.set_num_threads(1)
     barrier.wait()
-    pc = PromptCache(model, tokenizer, store_dir=store_dir)
+    pc = PromptCache(model, tokenizer, store_dir=store_dir, placement="schema")
     pc.add_schema(SCHEMA)
     for name in ORDER:
         fresh(pc, PROMPTS[name], max_new_tokens=1)
@@ -137,7 +137,7 @@ def test_two_processes_encoding_into_one_directory(model, tokenizer, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        reference = PromptCache(model, tokenizer)
+        reference = PromptCache(model, tokenizer, placement="schema")
         reference.add_schema(SCHEMA)
         expected = {name: fresh(reference, PROMPTS[name], max_new_tokens=NEW_TOKENS) for name in ORDER}
         ctx = multiprocessing.get_context("fork")
@@ -149,7 +149,7 @@ def test_two_processes_encoding_into_one_directory(model, tokenizer, tmp_path):
         for child in children:
             child.join(timeout=120)
             assert child.exitcode == 0
-        restarted = PromptCache(model, tokenizer, store_dir=tmp_path)
+        restarted = PromptCache(model, tokenizer, store_dir=tmp_path, placement="schema")
         restarted.add_schema(SCHEMA)
         run_all(restarted, expected, rounds=1)
     finally:
@@ -160,33 +160,33 @@ def test_two_processes_encoding_into_one_directory(model, tokenizer, tmp_path):
 
 
 def test_other_model_never_receives_these_blocks(model, tokenizer, tmp_path):
-    PromptCache(model, tokenizer, store_dir=tmp_path).add_schema(SCHEMA)
-    other = PromptCache(tiny_llama(len(tokenizer), seed=1), tokenizer, store_dir=tmp_path)
+    PromptCache(model, tokenizer, store_dir=tmp_path, placement="schema").add_schema(SCHEMA)
+    other = PromptCache(tiny_llama(len(tokenizer), seed=1), tokenizer, store_dir=tmp_path, placement="schema")
     other.add_schema(SCHEMA)
     stats = other.stats()
     assert stats["disk"]["loads"] == 0 and stats["encodes"] == stats["disk"]["writes"] > 0
-    mine = {k.digest for k in PromptCache(model, tokenizer).store.keys()}
+    mine = {k.digest for k in PromptCache(model, tokenizer, placement="schema").store.keys()}
     assert not mine & {k.digest for k in other.store.keys()}
 
 
 def test_editing_one_module_keeps_the_other_blocks(model, tokenizer, tmp_path):
     edited = SCHEMA.replace("Include local food.", "Include local drinks.")
     assert len(tokenizer.encode("Include local food.")) == len(tokenizer.encode("Include local drinks."))
-    first = PromptCache(model, tokenizer, store_dir=tmp_path)
+    first = PromptCache(model, tokenizer, store_dir=tmp_path, placement="schema")
     before = first.add_schema(SCHEMA)
-    second = PromptCache(model, tokenizer, store_dir=tmp_path)
+    second = PromptCache(model, tokenizer, store_dir=tmp_path, placement="schema")
     after = second.add_schema(edited)
     assert second.stats()["encodes"] == 1
     changed = [m for m in before.modules if first.block_key(before, m) != second.block_key(after, m)]
     assert changed == [m for m in before.modules if m.endswith("food")]
-    want = PromptCache(model, tokenizer)
+    want = PromptCache(model, tokenizer, placement="schema")
     want.add_schema(edited)
     prompt = PROMPTS["nested"]
     assert_same(fresh(second, prompt, max_new_tokens=NEW_TOKENS), fresh(want, prompt, max_new_tokens=NEW_TOKENS))
 
 
 def test_keys_cover_scope_not_names(model, tokenizer):
-    pc = PromptCache(model, tokenizer)
+    pc = PromptCache(model, tokenizer, placement="schema")
     schema = pc.add_schema(SCHEMA)
     renamed = pc.add_schema(SCHEMA.replace('name="guide"', 'name="guide2"'))
     key = pc.block_key
@@ -230,7 +230,7 @@ def test_block_key_memo_holds_at_most_memo_schemas_versions(tokenizer):
 
 def test_engine_position_memo_keeps_the_current_schema_versions_only(tokenizer):
     """Re-adding a schema name with new text drops the old version's position tensors."""
-    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer)
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     prompt = PROMPTS["everything"]
     for i in range(5):
         pc.add_schema(SCHEMA.replace("Include local food.", f"Include local food {i}."))
@@ -246,7 +246,7 @@ def test_engine_position_memo_keeps_the_current_schema_versions_only(tokenizer):
 def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, tmp_path, damage, caplog):
     """The ``*-block`` and ``other-dtype`` files are well-formed (right key, valid checksum) but hold
     another block's tensor: more rows (answered wrong before), fewer (an IndexError), or fp16."""
-    first = PromptCache(model, tokenizer, store_dir=tmp_path)
+    first = PromptCache(model, tokenizer, store_dir=tmp_path, placement="schema")
     schema = first.add_schema(SCHEMA)
     disk = first.store.disk
     paris = first.block_key(schema, "paris")
@@ -262,12 +262,13 @@ def test_bad_block_file_is_discarded_and_reencoded(model, tokenizer, expected, t
     elif damage == "truncate":
         victim.write_bytes(victim.read_bytes()[:-100])
     elif damage == "foreign":
-        other = PromptCache(tiny_llama(len(tokenizer), seed=1), tokenizer, store_dir=tmp_path / "other")
+        other = PromptCache(tiny_llama(len(tokenizer), seed=1), tokenizer, store_dir=tmp_path / "other",
+                            placement="schema")
         other_schema = other.add_schema(SCHEMA)
         victim.write_bytes(other.store.disk.path(other.block_key(other_schema, "paris").digest).read_bytes())
     else:
         victim.write_bytes(b"not a safetensors file at all")
-    restarted = PromptCache(model, tokenizer, store_dir=tmp_path)
+    restarted = PromptCache(model, tokenizer, store_dir=tmp_path, placement="schema")
     restarted.add_schema(SCHEMA)
     with caplog.at_level("WARNING", logger="pckernels.store.disk"):
         got = fresh(restarted, PROMPTS["all-of-union-one"], max_new_tokens=NEW_TOKENS)
@@ -301,7 +302,8 @@ def test_disk_faults_leave_the_engine_answering_from_memory(model, tokenizer, ex
 
         monkeypatch.setattr(disk_module, "save_file", save_until_full)
     with caplog.at_level("WARNING", logger="pckernels.store.disk"):
-        pc = PromptCache(model, tokenizer, store_dir=store_dir, device_budget=sizes[-1], host_budget=sizes[-1])
+        pc = PromptCache(model, tokenizer, store_dir=store_dir, device_budget=sizes[-1], host_budget=sizes[-1],
+                         placement="schema")
         pc.add_schema(SCHEMA)
         run_all(pc, expected)
     assert caplog.text.count("disk tier off") == 1
@@ -322,15 +324,16 @@ def test_bad_budget_is_refused_before_the_model_is_touched(tokenizer, tmp_path, 
     fresh = tiny_llama(len(tokenizer))
     name = next(iter(budget))
     with pytest.raises(ValueError, match=f"^{name} "):
-        PromptCache(fresh, tokenizer, dtype=torch.float64, store_dir=tmp_path / "kv", **budget)
+        PromptCache(fresh, tokenizer, dtype=torch.float64, store_dir=tmp_path / "kv", **budget, placement="schema")
     assert next(fresh.parameters()).dtype == torch.float32 and not (tmp_path / "kv").exists()
     with pytest.raises(ValueError, match=f"^{name} "):
-        PromptCache.from_pretrained(str(tmp_path / "no-such-model"), store_dir=tmp_path / "kv", **budget)
+        PromptCache.from_pretrained(str(tmp_path / "no-such-model"), store_dir=tmp_path / "kv", **budget,
+                                    placement="schema")
 
 
 def test_union_siblings_are_prefetched(model, tokenizer, expected, tmp_path):
-    PromptCache(model, tokenizer, store_dir=tmp_path).add_schema(SCHEMA)
-    pc = PromptCache(model, tokenizer, store_dir=tmp_path)
+    PromptCache(model, tokenizer, store_dir=tmp_path, placement="schema").add_schema(SCHEMA)
+    pc = PromptCache(model, tokenizer, store_dir=tmp_path, placement="schema")
     schema = pc.add_schema(SCHEMA)
     assert_same(fresh(pc, PROMPTS["all-of-union-one"], max_new_tokens=NEW_TOKENS), expected["all-of-union-one"])
     tokyo = pc.block_key(schema, "tokyo")
@@ -347,7 +350,7 @@ def test_union_siblings_are_prefetched(model, tokenizer, expected, tmp_path):
 
 def test_stats_report_every_tier(model, tokenizer, tmp_path):
     pc = PromptCache(model, tokenizer, store_dir=tmp_path, device_budget="1MiB", host_budget="2MiB",
-                     disk_budget="1GiB")
+                     disk_budget="1GiB", placement="schema")
     pc.add_schema(SCHEMA)
     stats = pc.stats()
     for tier in ("device", "host", "disk"):

@@ -42,6 +42,7 @@ from pckernels.integration.identity import model_fingerprint
 from pckernels.integration.native import MATMULS
 from pckernels.integration.positions import KeyRotation
 from pckernels.pml.model import ResolvedPrompt, Schema
+from pckernels.pml.placement import PLACEMENTS
 from pckernels.pml.tokens import fingerprint
 from pckernels.prefix import PrefixCache
 from pckernels.prefix.cache import RESUME
@@ -101,6 +102,15 @@ class PromptCache:
     tokens of a stored entry past its last full block and reads on from the first new token —
     equal to reuse off to rounding; what it computes is not stored).
 
+    ``placement``: where a PML prompt places its imported modules when neither the prompt nor its
+    schema says (``placement=`` attributes, ``docs/pml.md``): ``"compact"`` (default: moved
+    together in the prompt's order, keys re-rotated, and unless a request says otherwise the first
+    8 stale tokens of each module recomputed — ``recompute_policy="epic"``, the setting that keeps
+    answers closest to no reuse in ``docs/fidelity.md``) or ``"schema"`` (the paper's exact
+    semantics: every module at its schema positions, nothing recomputed, answers equal to the
+    ``reference`` mode's). A model whose cached keys cannot move (learned absolute positions)
+    falls back to schema placement with one logged line.
+
     ``model_id`` names the weights in cache keys; by default every tensor is hashed
     (:func:`pckernels.integration.identity.model_fingerprint`), ``from_pretrained`` hashes the
     weight files once instead.
@@ -114,7 +124,7 @@ class PromptCache:
                  max_batch: int = 64, step_tokens: int = 2048, remote: RemoteTier | str | None = None,
                  remote_namespace: str = DEFAULT_NAMESPACE, matmul: str = "fp32",
                  prefix_block_size: int = DEFAULT_PREFIX_BLOCK, lookahead: int = 0,
-                 prefix_resume: str = "block") -> None:
+                 prefix_resume: str = "block", placement: str = "compact") -> None:
         budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
         if remote is not None and not isinstance(remote, RemoteTier):
             remote = RemoteTier(remote, namespace=remote_namespace)
@@ -145,6 +155,8 @@ class PromptCache:
         self.matmul = matmul
         if prefix_block_size < 1:
             raise ValueError(f"prefix_block_size must be >= 1, got {prefix_block_size}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         if prefix_resume not in RESUME:
             raise ValueError(f"prefix_resume must be one of {', '.join(RESUME)}, got {prefix_resume!r}")
         if prefix_resume == "token" and self.recurrent is not None:
@@ -169,7 +181,8 @@ class PromptCache:
             self.encoder = ModuleEncoder(self.adapter, self.store, self.layout, dtype=self.dtype, device=self.device,
                                          block_key=keys, lock=self.model_lock, run=run)
             self.blocks = ModuleBlocks(self.adapter, self.store, self.encoder, keys, run)
-            self.namespaces = SchemaNamespaces(tokenizer, self.max_positions, self.encoder, self.blocks)
+            self.namespaces = SchemaNamespaces(tokenizer, self.max_positions, self.encoder, self.blocks,
+                                               placement=placement)
         self.context = EngineContext(self.adapter, tokenizer, self.layout, self.dtype, self.device,
                                      frozenset(self.eos_ids), self.max_positions, self.numerics, self.model_lock,
                                      self.blocks)
@@ -371,7 +384,7 @@ class PromptCache:
 
     def request(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
                 temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
-                seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
+                seed: int | None = None, recompute: float | None = None, recompute_policy: str | None = None,
                 deadline_s: float | None = None, salt: str = "", logit_bias: Mapping[int, float] | None = None,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: int | None = None,
                 grammar=None, n: int = 1) -> Request:
@@ -401,7 +414,7 @@ class PromptCache:
 
     def generate(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
                  temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
-                 seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
+                 seed: int | None = None, recompute: float | None = None, recompute_policy: str | None = None,
                  deadline_s: float | None = None, **choosing) -> GenerationResult:
         """Answer a PML prompt, or a prompt program's call (``program(args…)``, ``docs/program.md``).
         See the class docstring for ``mode``; ``choosing``: ``logit_bias``, ``presence_penalty``,
@@ -412,6 +425,8 @@ class PromptCache:
         uncached text, their new states replacing the cached ones; ``recompute_policy`` picks
         them: ``"first"`` tokens of each module or highest ``"deviation"`` (``docs/fidelity.md``);
         ``"epic"`` takes ``recompute`` as a count: the first that many stale tokens of each module.
+        ``None`` (default): the first 8 of each module (``"epic"``) for a compactly placed prompt,
+        none for one at schema placement (``0`` asks for none either way).
         ``deadline_s``: seconds after which the request fails with ``DeadlineExceeded``.
         """
         return self.submit(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, top_p=top_p,
@@ -420,7 +435,7 @@ class PromptCache:
 
     def stream(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
                temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
-               seed: int | None = None, recompute: float = 0.0, recompute_policy: str = "first",
+               seed: int | None = None, recompute: float | None = None, recompute_policy: str | None = None,
                deadline_s: float | None = None, **choosing) -> Iterator[str]:
         """Like ``generate`` but yields the answer's text as it is produced; the pieces always join
         to the final text (a tail that may still become a ``stop`` string is held back until it is

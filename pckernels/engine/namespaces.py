@@ -9,6 +9,7 @@ program's schema is installed on its first call.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import ChainMap
@@ -22,6 +23,8 @@ from pckernels.errors import PMLError
 from pckernels.pml import parse_prompt, parse_schema
 from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.program import ProgramCall
+
+log = logging.getLogger(__name__)
 
 
 def geometries_for(schema: Schema) -> tuple[str, ...]:
@@ -46,14 +49,18 @@ def read_source(text_or_path: str | os.PathLike) -> tuple[str | bytes, Path | No
 
 class SchemaNamespaces:
     """Schemas by salt and name (module docstring). ``tokenizer`` and ``max_positions`` lay
-    schemas out; ``encoder`` encodes them; ``blocks`` checks that compact placement can move them."""
+    schemas out; ``encoder`` encodes them; ``blocks`` checks that compact placement can move them.
+    ``placement``: the placement of a schema whose ``<schema>`` tag names none (compact falls back
+    to schema placement, logged once, on a model whose cached keys cannot move)."""
 
     def __init__(self, tokenizer: Any, max_positions: int | None, encoder: ModuleEncoder,
-                 blocks: ModuleBlocks) -> None:
+                 blocks: ModuleBlocks, placement: str = "compact") -> None:
         self.tokenizer = tokenizer
         self.max_positions = max_positions
         self.encoder = encoder
         self.blocks = blocks
+        self.placement = placement
+        self._default_placement: str | None = None
         self.default: dict[str, Schema] = {}
         """Schemas of the default namespace (salt ``""``) by name."""
         self._spaces: dict[str, dict[str, Schema]] = {"": self.default}
@@ -64,9 +71,24 @@ class SchemaNamespaces:
     def parse(self, text_or_path: str | os.PathLike, *, salt: str = "") -> Schema:
         """Parse (and lay out) a schema without encoding or adding it; ``PMLError`` on bad input."""
         text, base_dir = read_source(text_or_path)
-        schema = parse_schema(text, self.tokenizer, base_dir=base_dir, max_positions=self.max_positions)
+        schema = parse_schema(text, self.tokenizer, base_dir=base_dir, max_positions=self.max_positions,
+                              placement=self.default_placement())
         schema.salt = salt
         return schema
+
+    def default_placement(self) -> str:
+        """The placement schemas get when they name none: ``placement``, or schema placement
+        when that is compact and this model cannot move cached modules (probed once)."""
+        if self._default_placement is None:
+            placement = self.placement
+            if placement == "compact":
+                rotation = self.blocks.key_rotation()
+                if not rotation.movable:
+                    log.warning("compact placement needs cached modules to move to other positions, which this "
+                                "model cannot do (%s); schemas use schema placement", rotation.reason)
+                    placement = "schema"
+            self._default_placement = placement
+        return self._default_placement
 
     def install(self, schema: Schema, *, progress: bool = False,
                 on_progress: Callable[[int, int], None] | None = None) -> Schema:

@@ -131,6 +131,42 @@ def stale_tokens(prompt: ResolvedPrompt) -> list[TokenRef]:
     return stale
 
 
+def last_cached_token(prompt: ResolvedPrompt) -> TokenRef | None:
+    """The prompt's last token (highest position) when it is cached — a prompt that ends with an
+    import, e.g. to continue a document — else None. Its stored states were encoded without the
+    rest of the prompt and give no logits, so the request computes it afresh over every earlier
+    live token (a recomputed token: its cached row hidden, a fresh row of its own), the reference
+    forward likewise."""
+    live = prompt.live_segments()
+    if not live:
+        return None
+    last = max(live, key=lambda seg: seg.position_ids[-1])
+    if last.kind != "cached":
+        return None
+    position = last.position_ids[-1]
+    return last.module, _own_index(prompt, last.module)[position]
+
+
+DEFAULT_RECOMPUTE = {"compact": (8, "epic"), "schema": (0.0, "first")}
+"""What a request recomputes unless it says (``recompute=None``), by its prompt's placement:
+the first 8 stale tokens of every module when placed compactly (``compact+epic@8``, chosen on
+the fidelity suite's dev set and held on its held-out set, ``docs/fidelity.md``), nothing at
+schema placement (the paper's semantics, equal to the reference forward)."""
+
+
+def default_recompute(placement: str, recompute: float | None, policy: str | None) -> tuple[float, str]:
+    """``(recompute, policy)`` for a request: what it asked for, the ``epic`` count 8 when it
+    names only that policy, else :data:`DEFAULT_RECOMPUTE` for ``placement``."""
+    if recompute is None:
+        if policy is None:
+            return DEFAULT_RECOMPUTE[placement]
+        if policy == "epic":
+            return DEFAULT_RECOMPUTE["compact"][0], policy
+        if policy in RECOMPUTE_POLICIES:
+            raise ValueError(f"recompute_policy={policy!r} needs recompute= (a share between 0 and 1)")
+    return (0.0 if recompute is None else recompute), policy or "first"
+
+
 def select_recompute(prompt: ResolvedPrompt, share: float, policy: str = "first",
                      scores: Callable[[], Mapping[str, Sequence[float]]] | None = None) -> frozenset[TokenRef]:
     """The prompt's stale tokens to compute afresh: a ``share`` (0 to 1) of them, or with
@@ -303,6 +339,8 @@ def plan_request(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozen
                 if index[position] in recomputed[seg.module]:
                     tokens.append(token)
                     positions.append(position)
+    if not tokens:  # the engine answers from the last computed token; callers add it (last_cached_token)
+        raise ValueError("a cached request must compute at least one token")
     return RequestPlan(blocks, tokens, positions, cached_tokens)
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from pckernels.engine.blocks import ModuleBlocks
 from pckernels.engine.namespaces import SchemaNamespaces
-from pckernels.engine.plan import (RequestPlan, plan_request, plan_request_baseline, plan_request_reference,
-                                   select_recompute)
+from pckernels.engine.plan import (RequestPlan, default_recompute, last_cached_token, plan_request,
+                                   plan_request_baseline, plan_request_reference, select_recompute)
 from pckernels.engine.request import PrefixPrefill, Request
 from pckernels.errors import PMLPromptTooLongError
 from pckernels.generation import SamplingParams
@@ -54,7 +54,7 @@ class RequestBuilder:
         self.check_length = check_length
 
     def pml(self, prompt: str | ResolvedPrompt | ProgramCall, params: SamplingParams, *, mode: str,
-            recompute: float, recompute_policy: str, deadline: float | None, salt: str,
+            recompute: float | None, recompute_policy: str | None, deadline: float | None, salt: str,
             submitted: float) -> Request:
         """A PML prompt (or a program's call) resolved with ``salt`` and planned for ``mode``."""
         if mode not in MODES:
@@ -70,7 +70,12 @@ class RequestBuilder:
             raise PMLPromptTooLongError(last_pos, limit)
         if mode == "baseline" and recompute:
             raise ValueError("recompute applies to the cached and reference modes, not baseline")
+        recompute, recompute_policy = default_recompute(resolved.placement if mode != "baseline" else "schema",
+                                                        recompute, recompute_policy)
         recomputed = select_recompute(resolved, recompute, recompute_policy, lambda: self.scores(resolved.schema))
+        last = last_cached_token(resolved) if mode != "baseline" else None
+        if last is not None:
+            recomputed = recomputed | {last}
         if mode == "baseline":
             plan: RequestPlan = plan_request_baseline(resolved)
             positions = list(range(len(resolved.token_ids)))

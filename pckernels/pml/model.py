@@ -127,7 +127,8 @@ class Schema:
     library): the same text under two salts shares nothing."""
     placement: str = "schema"
     """Where its prompts place imported modules unless they say otherwise (``placement=``):
-    ``"schema"`` or ``"compact"`` (``pckernels.pml.placement``)."""
+    ``"schema"`` or ``"compact"`` (``pckernels.pml.placement``); the ``<schema>`` tag's
+    ``placement=``, else the default the parser was given (an engine's: compact where it can)."""
     location: tuple[int | None, int | None] = (None, None)
     """``(line, column)`` of the ``<schema>`` tag, to locate errors about the schema as a whole."""
 

@@ -155,24 +155,12 @@ def _locations(source: Source, imports: list[Import]) -> dict[str, tuple[int | N
 
 
 def check_answerable(prompt: ResolvedPrompt, *, baseline: bool = False) -> None:
-    """Refuse, located in the prompt's source, a prompt the engine cannot answer: one without
-    tokens, or — in cached and reference modes (not ``baseline``) — one whose last token (the
-    highest position) is cached. The next token is predicted from the last token's fresh
-    states; a cached token's states come from the store and were encoded without the rest of
-    the prompt, so text (or an argument) must come last."""
+    """Refuse, located in the prompt's source, a prompt without tokens. A prompt may end with an
+    import: the engine then computes that last cached token afresh (``last_cached_token``), since
+    the next token is predicted from the last token's fresh states. ``baseline`` is accepted for
+    symmetry; every mode needs a token."""
     live = prompt.live_segments()
     if not live:
         line, column = prompt.locations.get(ROOT, (None, None))
         raise PMLError("the prompt has no tokens; import a module or add text", line=line,
                        column=column, source=prompt.label)
-    if baseline:
-        return
-    last = max(live, key=lambda s: s.position_ids[-1])
-    if last.kind == "cached":
-        line, column = prompt.locations.get(last.module, (None, None))
-        owner = "the schema's anonymous text" if last.module == ROOT else f"module {last.module!r}"
-        raise PMLError(f"the prompt ends with {owner}: its last token (position "
-                       f"{last.position_ids[-1]}) is cached, and a cached token's states cannot "
-                       "predict what follows; add text after the last import (for example "
-                       "<user>…</user><assistant/>) so the model has something to answer",
-                       line=line, column=column, source=prompt.label)

@@ -17,6 +17,7 @@ from typing import Any
 from pckernels.errors import PMLError
 from pckernels.pml.document import Limits, read_document
 from pckernels.pml.model import Scaffold, Schema
+from pckernels.pml.placement import PLACEMENTS
 from pckernels.pml.schema_decls import PositionLimit, SlotDecl, TextDecl, walk
 from pckernels.pml.schema_layout import Layout
 from pckernels.pml.schema_reader import SchemaReader
@@ -31,20 +32,23 @@ LAYOUT_VERSION = "pml-layout-1"
 
 def parse_schema(text: str | bytes, tokenizer: Any, *, base_dir: str | os.PathLike | None = None,
                  max_positions: int | None = None, limits: Limits | None = None,
-                 label: str | None = None) -> Schema:
+                 label: str | None = None, placement: str = "schema") -> Schema:
     """Parse a PML schema and lay it out.
 
     ``base_dir`` is the directory ``src=`` paths are relative to; ``max_positions`` the
     model's position limit (the schema must end at or before it); ``label`` names the
-    source in error messages. Raises ``PMLError`` for every rejection.
+    source in error messages; ``placement``: its prompts' placement when the ``<schema>`` tag
+    has no ``placement=`` (an engine passes its default). Raises ``PMLError`` for every rejection.
     """
     limits = limits or Limits()
     if max_positions is not None and max_positions < 1:
         raise PMLError(f"max_positions must be positive, not {max_positions}")
     source = read_document(text, limits, label=label, kind="schema")
     limit = PositionLimit.of(limits, max_positions)
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     reader = SchemaReader(source, tokenizer, Path(base_dir) if base_dir is not None else None,
-                          limits, limit)
+                          limits, limit, placement)
     name, root = reader.read()
 
     items = list(walk(root))

@@ -44,7 +44,7 @@ class SchemaReader:
     """Turns a schema element tree into declarations (pass 1)."""
 
     def __init__(self, source: Source, tokenizer: Any, base_dir: Path | None,
-                 limits: Limits, position_limit: PositionLimit) -> None:
+                 limits: Limits, position_limit: PositionLimit, placement: str = "schema") -> None:
         self.source = source
         self.tokenizer = tokenizer
         self.base_dir = base_dir
@@ -58,7 +58,7 @@ class SchemaReader:
         self.unions: dict[str, GroupDecl] = {}
         self.scaffolds: dict[str, GroupDecl] = {}
         self.top_names: dict[str, str] = {}
-        self.placement = "schema"
+        self.placement = placement
         self.roles = RoleTags(source, tokenizer)
 
     def error(self, message: str, element: Any = None, offset: int | None = None) -> PMLError:
@@ -71,7 +71,7 @@ class SchemaReader:
                              f"not <{root.tag}>", root)
         values = attributes(self.source, root, ("name", "placement"), ("name",))
         name = check_name(self.source, root, values["name"], "schema")
-        self.placement = check_placement(self.source, root, values.get("placement", "schema"))
+        self.placement = check_placement(self.source, root, values.get("placement", self.placement))
         scope = ModuleDecl(ROOT, None, None, root)
         self._fill(scope, root, preserve=space_mode(self.source, root, False),
                    in_role=False, in_scaffold=False)

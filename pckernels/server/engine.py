@@ -35,8 +35,8 @@ class ServingEngine(Protocol):
         """The Hugging Face tokenizer, to decode streamed tokens."""
 
     def request(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                stop: str | list[str] | None = None, seed: int | None = None, recompute: float = 0.0,
-                recompute_policy: str = "first", deadline_s: float | None = None, salt: str = "",
+                stop: str | list[str] | None = None, seed: int | None = None, recompute: float | None = None,
+                recompute_policy: str | None = None, deadline_s: float | None = None, salt: str = "",
                 logit_bias: Mapping[int, float] | None = None, presence_penalty: float = 0.0,
                 frequency_penalty: float = 0.0, logprobs: int | None = None, grammar: Any = None,
                 n: int = 1) -> Request:

@@ -99,9 +99,10 @@ class _Sampling(BaseModel):
     pml: str | None = None
     timeout_s: float | None = Field(default=None, gt=0.0)
     cache: bool = True
-    recompute: float = Field(default=0.0, ge=0.0)
-    """A share (0 to 1), or with ``recompute_policy="epic"`` tokens per module (the engine checks)."""
-    recompute_policy: Literal["first", "deviation", "epic"] = "first"
+    recompute: float | None = Field(default=None, ge=0.0)
+    """A share (0 to 1), or with ``recompute_policy="epic"`` tokens per module (the engine checks);
+    unset: the engine's default for the prompt's placement (compact: 8 per module, ``epic``)."""
+    recompute_policy: Literal["first", "deviation", "epic"] | None = None
 
     def check_supported(self) -> None:
         extra = sorted(set(self.model_extra or {}) - IGNORED)

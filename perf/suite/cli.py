@@ -43,6 +43,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix-resume", choices=("block", "token"), default="block",
                     help="where plain prompts' hits resume: block (bitwise, the default) or token (from the first "
                          "new token, equal to rounding: PromptCache(prefix_resume=...))")
+    ap.add_argument("--placement", choices=("schema", "compact"), default="schema",
+                    help="placement of the PML prompts (default schema: the paper's semantics, whose answers the "
+                         "suite checks against the reference forward; compact is the library's default, measured "
+                         "against schema placement by perf.bench_defaults)")
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python for the llamacpp experiment "
                                            "(default: $PROMPTCACHE_LLAMACPP_PYTHON, then this one)")
     ap.add_argument("--peer-flash", action="store_true",
@@ -91,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
                                                       peer_threads=args.threads, peer_flash=args.peer_flash or None,
                                                       peer_lookahead=args.lookahead)
     if (args.only or args.repeats or args.ttft_repeats or args.lengths or args.prefix_block or args.matmul != "fp32"
-            or args.peer_flash or args.lookahead or args.prefix_resume != "block"):
+            or args.peer_flash or args.lookahead or args.prefix_resume != "block" or args.placement != "schema"):
         config.name = f"{preset}-custom"
     print(f"loading {args.model} …", flush=True)
     engine = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=False,
                                          matmul=args.matmul, prefix_block_size=config.prefix_block_size,
-                                         prefix_resume=args.prefix_resume)
+                                         prefix_resume=args.prefix_resume, placement=args.placement)
     out_dir = args.out or default_out_dir(engine, config)
     checkpoint = out_dir / PARTIAL_NAME
     previous = read_checkpoint(checkpoint) if args.resume else None
