@@ -12,11 +12,13 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from pckernels.cli_common import PLACEMENT_HELP, check_model_options, check_placement, console, fail, load_engine
+from pckernels.cli_common import (MODEL_HELP, PLACEMENT_HELP, check_model_options, check_placement, console, fail,
+                                  load_engine)
 from pckernels.cli_store import cache_app, encode
 from pckernels.cli_bench import CONTEXT as BENCH_CONTEXT, bench
 from pckernels.cli_compile import compile_programs
 from pckernels.cli_eval import register as register_eval
+from pckernels.cli_fetch import fetch
 from pckernels.cli_serve import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -37,7 +39,7 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progr
 
 
 @app.command()
-def demo(model: str = typer.Option("smollm2", help="Model name or path."),
+def demo(model: str = typer.Option("smollm2", help=MODEL_HELP),
          max_new_tokens: int = typer.Option(32, help="Tokens to generate per answer."),
          device: Optional[str] = typer.Option(None, help="cpu, cuda, … (default: best available)."),
          dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16."),
@@ -93,7 +95,7 @@ def demo(model: str = typer.Option("smollm2", help="Model name or path."),
 @app.command()
 def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
         prompt: str = typer.Argument(..., help="Prompt PML text (or a file holding it)."),
-        model: str = typer.Option("smollm2", help="Model name or path."),
+        model: str = typer.Option("smollm2", help=MODEL_HELP),
         mode: str = typer.Option("cached", help="cached | baseline | reference | compare"),
         max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
         temperature: float = typer.Option(0.0, help="0 is greedy."),
@@ -143,6 +145,7 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
 
 app.command()(encode)
 app.command()(serve)
+app.command()(fetch)
 app.command(name="compile")(compile_programs)
 app.command(context_settings=BENCH_CONTEXT)(bench)
 app.add_typer(cache_app, name="cache")

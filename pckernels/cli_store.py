@@ -11,7 +11,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from pckernels.cli_common import PLACEMENT_HELP, check_model_options, check_placement, console, fail, load_engine
+from pckernels.cli_common import (MODEL_HELP, PLACEMENT_HELP, check_model_options, check_placement, console, fail,
+                                  load_engine)
 
 cache_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Inspect or clear the encoded-module files on disk.")
@@ -34,7 +35,7 @@ def _human(n: float) -> str:
 
 
 def encode(schema: Path = typer.Argument(..., help="Schema file to encode."),
-           model: str = typer.Option("smollm2", help="Model name or path."),
+           model: str = typer.Option("smollm2", help=MODEL_HELP),
            store_dir: Optional[Path] = typer.Option(None, help=_STORE_DIR_HELP),
            remote: Optional[str] = typer.Option(None, help="Also upload the blocks to this Redis/Valkey server "
                                                            "(redis://host:port/db) for a fleet."),

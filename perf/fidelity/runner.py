@@ -440,7 +440,8 @@ def parser() -> argparse.ArgumentParser:
                     help="bundle: a schema per bundle, every prompt imports its bundle; library: one schema of "
                          "every document, a prompt imports its documents and one distractor.")
     ap.add_argument("--max-new-tokens", type=int, default=20)
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", default="smollm2", help="smollm2 (embedded), qwen2.5-coder-0.5b (fetched on "
+                                                       "first use), a HF id or a local path.")
     ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()))
     ap.add_argument("--machine", default=None, help="Results subfolder (default: device-arch-threads).")
     ap.add_argument("--out", type=Path, default=None, help="Output folder (default: perf/results/<machine>/fidelity).")

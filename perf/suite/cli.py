@@ -34,7 +34,8 @@ def parser() -> argparse.ArgumentParser:
                          "a few percent and need more rounds than the rest")
     ap.add_argument("--lengths", type=int, nargs="+", help="TTFT prompt lengths in tokens")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    ap.add_argument("--model", default="smollm2", help="model name or path (default: the embedded SmolLM2)")
+    ap.add_argument("--model", default="smollm2", help="model name or path (default: the embedded SmolLM2; "
+                                                       "qwen2.5-coder-0.5b: fetched on first use)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--matmul", choices=("fp32", "bf16"), default="fp32",
