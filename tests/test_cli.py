@@ -94,6 +94,18 @@ def test_bad_model_options_end_every_command_with_one_line(tmp_path, cache_dir, 
     assert not (tmp_path / "kv").exists() and not cache_dir.exists()
 
 
+def test_bad_placement_ends_every_command_that_takes_it_with_one_line(tmp_path, cache_dir):
+    """``--placement`` (run, demo, encode, serve) is checked before any model is loaded."""
+    schema = tmp_path / "schema.xml"
+    schema.write_text(SCHEMA, encoding="utf-8")
+    prompt = '<prompt schema="guide"><user>Hi</user><assistant/></prompt>'
+    for line in (["run", str(schema), prompt], ["demo"], ["encode", str(schema), "--store-dir", str(tmp_path / "kv")],
+                 ["serve", "--port", "1"]):
+        result = CliRunner().invoke(app, [*line, "--placement", "paper"])
+        assert_one_line_error(result, "unknown --placement 'paper'", "compact or schema")
+    assert not (tmp_path / "kv").exists() and not cache_dir.exists()
+
+
 def test_model_path_that_is_a_file_is_refused(tmp_path):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"")
