@@ -27,12 +27,7 @@ DOC = ("Doc 3. You answer questions about how bees choose a new nest. Scouts dan
        "the swarm moves when enough scouts dance for one site. Be brief, be exact, cite the text.")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

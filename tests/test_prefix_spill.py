@@ -18,13 +18,7 @@ TEXT = "Doc 0. You answer questions about tide tables for a small harbour. Be br
 OTHER = "Doc 1. You answer questions about the printing press. Cite the text."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second thread, which stalls badly when the cores are busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -40,13 +40,7 @@ def model(tokenizer):
     return tiny_llama(len(tokenizer))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread everywhere: blocks read by one process then round exactly as the reader's own encode."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture()

@@ -14,27 +14,11 @@ import httpx
 import openai
 import pytest
 
-from pckernels.engine import PromptCache
 from pckernels.prefix import encode_prompt
-from test_engine import tiny_llama, tokenizer  # noqa: F401  (tokenizer is a fixture)
-from test_server import COMMON, MODEL, Server
+from test_engine import tokenizer  # noqa: F401  (a fixture)
+from test_server import COMMON, MODEL, Server, library, model_dir  # noqa: F401  (fixtures)
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tokenizer, tmp_path_factory):  # noqa: F811
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    tiny_llama(len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def library(model_dir):
-    engine = PromptCache.from_pretrained(str(model_dir), device="cpu", dtype="float32", store_dir=False)
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,21 @@ MIN_SHARE = 0.002
 TOTALS = {("pckernels/engine/core.py", "request"), ("pckernels/engine/scheduler.py", "_admit"),
           ("pckernels/engine/scheduler.py", "_step"), ("pckernels/engine/scheduler.py", "_sweep")}
 """The work of one query: planning in the caller, admission and steps in the scheduler."""
-PARENTS = {("pckernels/engine/core.py", "request"), ("pckernels/engine/scheduler.py", "_start"),
-           ("pckernels/engine/scheduler.py", "_step"), ("pckernels/engine/scheduler.py", "_forward"),
-           ("pckernels/engine/scheduler.py", "_sweep"), ("pckernels/engine/scheduler.py", "_admit")}
+PARENTS = {("pckernels/engine/core.py", "request"), ("pckernels/engine/requests.py", "pml"),
+           ("pckernels/engine/scheduler.py", "_start"), ("pckernels/engine/scheduler.py", "_step"),
+           ("pckernels/engine/scheduler.py", "_sweep"), ("pckernels/engine/scheduler.py", "_admit"),
+           ("pckernels/engine/arena_runner.py", "start"), ("pckernels/engine/arena_runner.py", "step"),
+           ("pckernels/engine/placement.py", "start"), ("pckernels/engine/placement.py", "_start_pml"),
+           ("pckernels/engine/step.py", "run")}
+"""The calls whose callees are the components: the façade and request building in the caller, the
+scheduler, the arena runner, the placer and the planned step (a component is a callee of one of
+these that is not itself one of these)."""
 FRIENDLY = {"resolve": "parse prompt", "plan_request": "plan", "check_answerable": "prompt checks",
             "_place": "place blocks (store + copy)", "forward": "model forward", "_choose": "sample",
             "select_recompute": "recompute selection", "prepare": "cache prepare", "allocate": "arena rows",
-            "_make_visible": "visibility", "_plan_step": "step plan", "masked_fill_": "attention bias",
-            "full": "attention bias", "zeros": "attention bias", "acquire": "arena rows"}
+            "_make_visible": "visibility", "plan_step": "step plan", "masked_fill_": "attention bias",
+            "full": "attention bias", "zeros": "attention bias", "acquire": "arena rows",
+            "place": "place blocks (store + copy)", "build": "attention bias"}
 
 
 def _key(func: tuple[str, int, str]) -> tuple[str, str]:
