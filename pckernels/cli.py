@@ -20,6 +20,7 @@ from pckernels.cli_compile import compile_programs
 from pckernels.cli_eval import register as register_eval
 from pckernels.cli_fetch import fetch
 from pckernels.cli_serve import serve
+from pckernels.engine.plan import RECOMPUTE_POLICIES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="promptcache: reuse attention states of prompt modules declared in PML.")
@@ -119,8 +120,8 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
     if matmul not in ("fp32", "bf16"):
         fail(f"unknown --matmul {matmul!r}: expected fp32 or bf16")
     check_placement(placement)
-    if recompute_policy is not None and recompute_policy not in ("first", "deviation", "epic"):
-        fail(f"unknown --recompute-policy {recompute_policy!r}: expected first, deviation or epic")
+    if recompute_policy is not None and recompute_policy not in RECOMPUTE_POLICIES:
+        fail(f"unknown --recompute-policy {recompute_policy!r}: expected {', '.join(RECOMPUTE_POLICIES)}")
     check_model_options(model, device, dtype)
     if "<" not in schema and not Path(schema).is_file():
         fail(f"no such schema file: {schema!r}")

@@ -21,6 +21,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, T
 from rich.text import Text
 
 from pckernels.integration.fetched import Reporter
+from pckernels.pml.placement import PLACEMENTS
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 err_console = Console(stderr=True)
@@ -40,8 +41,8 @@ PLACEMENT_HELP = ("Where a PML prompt places its modules when neither it nor its
 
 def check_placement(placement: str) -> None:
     """Refuse a ``--placement`` other than compact or schema."""
-    if placement not in ("compact", "schema"):
-        fail(f"unknown --placement {placement!r}: expected compact or schema")
+    if placement not in PLACEMENTS:
+        fail(f"unknown --placement {placement!r}: expected {' or '.join(sorted(PLACEMENTS))}")
 
 
 def one_line(text: object) -> str:

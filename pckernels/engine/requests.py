@@ -60,7 +60,7 @@ class RequestBuilder:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         resolved = self.namespaces().resolve(prompt, salt=salt)
-        check_answerable(resolved, baseline=mode == "baseline")
+        check_answerable(resolved)
         if resolved.placement == "compact" and mode != "baseline":
             self.blocks.check_movable(resolved.locations.get(ROOT, (None, None)), "the prompt is placed compactly",
                                       resolved.label)

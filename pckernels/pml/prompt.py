@@ -154,11 +154,10 @@ def _locations(source: Source, imports: list[Import]) -> dict[str, tuple[int | N
     return out
 
 
-def check_answerable(prompt: ResolvedPrompt, *, baseline: bool = False) -> None:
-    """Refuse, located in the prompt's source, a prompt without tokens. A prompt may end with an
-    import: the engine then computes that last cached token afresh (``last_cached_token``), since
-    the next token is predicted from the last token's fresh states. ``baseline`` is accepted for
-    symmetry; every mode needs a token."""
+def check_answerable(prompt: ResolvedPrompt) -> None:
+    """Refuse, located in the prompt's source, a prompt without tokens (in every mode). A prompt may
+    end with an import: the engine then computes that last cached token afresh
+    (``pckernels.engine.plan.last_cached_token``)."""
     live = prompt.live_segments()
     if not live:
         line, column = prompt.locations.get(ROOT, (None, None))
