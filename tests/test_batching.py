@@ -305,6 +305,25 @@ def test_a_bug_in_the_model_thread_fails_requests_instead_of_hanging_them(tokeni
     pc.close()
 
 
+def test_a_profiler_that_cannot_start_leaves_the_engine_answering(tokenizer, alone):  # noqa: F811
+    """The perf suite's breakdown hands the scheduler a profiler; on Python 3.12+ a second cProfile
+    refuses to start (ValueError). The step then runs unprofiled instead of killing the thread."""
+    class Refusing:
+        def enable(self):
+            raise ValueError("Another profiling tool is already active")
+
+        def disable(self):
+            raise AssertionError("never enabled, never disabled")
+
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
+    pc.add_schema(SCHEMA)
+    pc.scheduler.profiler = Refusing()
+    got = pc.submit(PROMPTS["other-member"], max_new_tokens=NEW_TOKENS, mode="cached").result(timeout=60)
+    pc.scheduler.profiler = None
+    assert_close(got, alone["other-member", "cached"])
+    pc.close()
+
+
 @pytest.mark.parametrize("family", [f.name for f in __import__("family_models").FAMILIES])
 def test_every_family_batches_exactly(tokenizer, family):  # noqa: F811
     """Three prompts with different modules and gaps in one packed forward per step, for every

@@ -201,8 +201,12 @@ class Scheduler:
                     if not self._wait_for_work():
                         return
                 profiler = self.profiler
-                if profiler is not None:
-                    profiler.enable()
+                try:
+                    if profiler is not None:
+                        profiler.enable()
+                except Exception:  # e.g. Python 3.12+ allows one cProfile per process: run unprofiled
+                    log.warning("the engine's profiler could not be enabled; this step runs unprofiled", exc_info=True)
+                    profiler = None
                 try:
                     with self.ctx.model_lock:
                         with self._cv:

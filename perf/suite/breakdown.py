@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+import sys
 from typing import Callable
 
 MIN_SHARE = 0.002
@@ -50,9 +51,11 @@ def _label(func: tuple[str, int, str]) -> str:
 
 def profile(engine, fn: Callable[[], object]) -> dict:
     """``{"total_s", "components": {label: s}, "other_s", "top_calls": {label: self seconds}}`` of
-    ``fn()`` (a query on ``engine``), over the calling thread and the engine's scheduler thread."""
+    ``fn()`` (a query on ``engine``), over the calling thread and the engine's scheduler thread (the
+    calling thread alone on Python 3.12+, where only one cProfile can be active)."""
     caller, worker = cProfile.Profile(), cProfile.Profile()
-    engine.scheduler.profiler = worker
+    if sys.version_info < (3, 12):  # from 3.12 (sys.monitoring) a second profiler cannot be enabled
+        engine.scheduler.profiler = worker
     caller.enable()
     try:
         fn()
@@ -60,7 +63,8 @@ def profile(engine, fn: Callable[[], object]) -> dict:
         caller.disable()
         engine.scheduler.profiler = None
     stats = pstats.Stats(caller)
-    stats.add(worker)
+    if worker.getstats():
+        stats.add(worker)
     components: dict[str, float] = {}
     total = 0.0
     for func, (_, _, _, cumulative, callers) in stats.stats.items():
