@@ -1,13 +1,14 @@
 """Exact prefix reuse on hybrid (attention + recurrent) models, measured as the seed's table is.
 
 ``python -m perf.bench_hybrid [--families lfm2 qwen3_next] [--lengths 8192 16384 32768] [--block 256]
-[--chunks 128 256 512 1024] [--clients 8] [--turns 4] [--decode-tokens 32] [--out DIR]``
+[--chunks 128 256 512 1024] [--clients 8] [--turns 4] [--decode-tokens 32] [--device cuda] [--out DIR]``
 
 Random models big enough to matter (no hub here): an **LFM2-style** model (12 layers: two
 short-convolution layers then one attention layer, repeated; hidden 512) and a **Qwen3-Next-style**
 one (12 layers: three gated-delta-net layers then one attention layer; hidden 512, 8 experts), on
 the byte-level ChatML tokenizer (one token per byte of text). Everything runs through the engine
-(``PromptCache.complete``), one process, 2 threads unless ``--threads``:
+(``PromptCache.complete``), one process, 2 threads unless ``--threads``; on ``--device cuda`` in
+the engine's default dtype there (bf16), the server loading the saved model the same way:
 
 * **time to first token** of a document prompt of each length: reuse off; first pass with reuse on
   (it stores the blocks); the exact repeat; the same document with a new question; a middle
@@ -39,6 +40,7 @@ import torch
 from rich.progress import Progress
 
 from pckernels.engine import PromptCache
+from pckernels.engine.loading import default_dtype
 from pckernels.prefix.testing import tiny_tokenizer
 
 COMMON = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
@@ -52,12 +54,12 @@ FAMILIES = {
 WORDS = ("river", "bridge", "harbour", "tide", "lantern", "orchard", "market", "ledger", "furnace", "quarry")
 
 
-def build(family: str, vocab: int) -> torch.nn.Module:
+def build(family: str, vocab: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(family, vocab_size=vocab, **{**COMMON, **FAMILIES[family]})
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
 
 
 def document(length: int, seed: int = 0) -> str:
@@ -179,7 +181,8 @@ def server_rates(model, tokenizer, clients: int, turns: int, length: int, block:
 
 
 def summary(results: dict) -> str:
-    lines = [f"# Hybrid models: exact prefix reuse ({results['machine']}, {results['threads']} threads)", ""]
+    lines = [f"# Hybrid models: exact prefix reuse ({results['machine']}, {results['threads']} threads, "
+             f"{results.get('dtype', 'torch.float32')})", ""]
     for family, data in results["families"].items():
         lines += [f"## {family} ({data['params_m']:.0f}M parameters, {data['layers']})", "",
                   "| prompt | case | reuse off | reuse on | cached tokens | speed-up | exact |",
@@ -196,7 +199,10 @@ def summary(results: dict) -> str:
             ratio = d["on"] / d["off"] if d["on"] and d["off"] else float("nan")
             lines.append(f"| {row['prompt_tokens']} | {d['off'] or 0:.1f} | {d['on'] or 0:.1f} | {ratio:.3f} | "
                          f"{d['tokens']} | {'yes' if d['exact'] else 'NO'} |")
-        lines.append(f"\nPeak resident memory of the process after {family}: {data.get('peak_rss_gib', 0):.1f} GiB")
+        if "peak_rss_gib" in data:
+            lines.append(f"\nPeak resident memory of the process after {family}: {data['peak_rss_gib']:.1f} GiB"
+                         + (f"; GPU memory allocated at most {data['peak_gpu_gib']:.1f} GiB" if "peak_gpu_gib" in data
+                            else ""))
         if data.get("chunks"):
             lines += ["", f"Cold read of {data['chunk_tokens']} tokens by chunk size: " + ", ".join(
                 f"{size}: {seconds:.2f} s" for size, seconds in data["chunks"].items())]
@@ -211,6 +217,12 @@ def summary(results: dict) -> str:
     return "\n".join(lines)
 
 
+def save(out_dir: Path, results: dict) -> None:
+    """``hybrid.json`` and ``summary.md`` so far: a run cut short keeps every length it finished."""
+    (out_dir / "hybrid.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "summary.md").write_text(summary(results))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.bench_hybrid", description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
@@ -223,19 +235,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the model in bf16 there)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from perf.suite.runner import machine_name
 
-    out_dir = args.out or Path(__file__).resolve().parent / "results" / machine_name() / "hybrid"
+    device = torch.device(args.device)
+    dtype = default_dtype(device)
+    out_dir = args.out or Path(__file__).resolve().parent / "results" / machine_name(device) / "hybrid"
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = tiny_tokenizer()
-    results = {"machine": machine_name(), "threads": args.threads, "block": args.block, "families": {}}
+    results = {"machine": machine_name(device), "threads": args.threads, "block": args.block, "dtype": str(dtype),
+               "torch": torch.__version__, "families": {}}
     with Progress() as progress:
         task = progress.add_task("hybrid", total=len(args.families) * (len(args.lengths) + 2))
         for family in args.families:
-            model = build(family, len(tokenizer))
+            model = build(family, len(tokenizer), device, dtype)
             layers = ", ".join(f"{n} {t}" for t, n in sorted({t: model.config.layer_types.count(t)
                                                                for t in model.config.layer_types}.items()))
             data = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6, "layers": layers, "lengths": {}}
@@ -245,12 +261,13 @@ def main(argv: list[str] | None = None) -> int:
                 progress.update(task, description=f"{family} {length}")
                 data["lengths"][length] = ttft_table(engine, length, args.decode_tokens, args.decode_rounds)
                 progress.advance(task)
-                (out_dir / "hybrid.json").write_text(json.dumps(results | {"partial": family}, indent=1))
+                save(out_dir, results | {"families": {**results["families"], family: data}, "partial": family})
             engine.close()
             if args.chunks:
                 progress.update(task, description=f"{family} chunk sizes")
                 data["chunk_tokens"] = args.lengths[0]
                 data["chunks"] = chunk_costs(model, tokenizer, args.lengths[0], args.chunks)
+                save(out_dir, results | {"families": {**results["families"], family: data}, "partial": family})
             progress.advance(task)
             if args.clients:
                 progress.update(task, description=f"{family} server")
@@ -259,9 +276,10 @@ def main(argv: list[str] | None = None) -> int:
                                                  args.block)}
             progress.advance(task)
             data["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            if device.type == "cuda":
+                data["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             results["families"][family] = data
-            (out_dir / "hybrid.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "summary.md").write_text(summary(results))
+            save(out_dir, results)
     print(summary(results))
     return 0
 

@@ -137,6 +137,27 @@ def test_gpu_suite_dry_run_writes_its_report(tmp_path):
     assert (tmp_path / "gpu_ttft.png").is_file() and "## TTFT" in (tmp_path / "gpu_summary.md").read_text()
 
 
+def test_bench_hybrid_reports_every_case_exact(tmp_path, monkeypatch):
+    """perf.bench_hybrid end to end on a shrunken LFM2-style model (engine rows, decode, chunk
+    sizes; no server): every case exact, and the report is written as it goes."""
+    from perf import bench_hybrid
+
+    monkeypatch.setattr(bench_hybrid, "COMMON", dict(bench_hybrid.COMMON, hidden_size=64, intermediate_size=96,
+                                                     num_hidden_layers=3, num_attention_heads=4, head_dim=16))
+    monkeypatch.setitem(bench_hybrid.FAMILIES, "lfm2", dict(layer_types=["conv", "conv", "full_attention"],
+                                                            block_ff_dim=96))
+    assert bench_hybrid.main(["--families", "lfm2", "--lengths", "300", "--block", "64", "--chunks", "32", "64",
+                              "--clients", "0", "--decode-tokens", "3", "--decode-rounds", "1", "--threads", "1",
+                              "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "hybrid.json").read_text())
+    row = results["families"]["lfm2"]["lengths"]["300"]
+    assert set(row["cases"]) == {"first pass", "repeat", "new question", "middle edit", "edit repeated", "second turn"}
+    assert all(case["exact"] for case in row["cases"].values()) and row["decode"]["exact"]
+    assert row["cases"]["repeat"]["cached"] == row["prompt_tokens"]
+    assert set(results["families"]["lfm2"]["chunks"]) == {"32", "64"} and "partial" not in results
+    assert "| first pass |" in (tmp_path / "summary.md").read_text()
+
+
 def test_bench_command_hands_its_arguments_to_the_suite():
     assert suite_root() == ROOT
     result = CliRunner().invoke(app, ["bench", "--help"])
