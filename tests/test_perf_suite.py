@@ -192,3 +192,13 @@ def test_decode_budget_takes_the_native_step_apart():
     rates = bench_decode.kernels(decoder, 37, repeats=1, pool_bytes=1 << 20)
     assert len(rates) == 5 and all(r > 0 for r in rates.values())
     assert bench_decode.weight_bytes(decoder) == sum(p.weight.numel() * 4 for p in decoder.projections())
+
+
+def test_peer_weights_name_the_model_an_engine_runs():
+    """llama.cpp gets the GGUF of the model promptcache runs: the embedded SmolLM2's quantization
+    is read from its file; a model with no GGUF of its own has no peer weights."""
+    from pckernels.integration.embedded import gguf_path
+    from perf.peers import gguf_f32
+
+    assert gguf_f32.file_type(gguf_path()) == "q4_1"
+    assert gguf_f32.peer_weights("llama-2-7b-shaped") is None

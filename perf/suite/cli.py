@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                          "against schema placement by perf.bench_defaults)")
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python for the llamacpp experiment "
                                            "(default: $PROMPTCACHE_LLAMACPP_PYTHON, then this one)")
+    ap.add_argument("--peer-contexts", type=int, nargs="+",
+                    help="document sizes in tokens for the llamacpp experiment (default 4096 8064; a size that is "
+                         "not a multiple of --prefix-block shows where plain prompts' hits resume)")
     ap.add_argument("--peer-flash", action="store_true",
                     help="also run llama.cpp with flash attention (slower for it on these CPUs)")
     ap.add_argument("--lookahead", type=int,
@@ -94,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
                                                       ttft_repeats=args.ttft_repeats, lengths=args.lengths,
                                                       prefix_block_size=args.prefix_block, peer_python=args.llama_python,
                                                       peer_threads=args.threads, peer_flash=args.peer_flash or None,
+                                                      peer_contexts=args.peer_contexts,
                                                       peer_lookahead=args.lookahead)
     if (args.only or args.repeats or args.ttft_repeats or args.lengths or args.prefix_block or args.matmul != "fp32"
-            or args.peer_flash or args.lookahead or args.prefix_resume != "block" or args.placement != "schema"):
+            or args.peer_flash or args.peer_contexts or args.lookahead or args.prefix_resume != "block"
+            or args.placement != "schema"):
         config.name = f"{preset}-custom"
     print(f"loading {args.model} …", flush=True)
     engine = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, store_dir=False,

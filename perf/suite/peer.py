@@ -1,9 +1,10 @@
 """Experiment 8 — llama.cpp, the CPU peer a user would pick instead, on the same weights and token ids.
 
 Skipped (with the reason in the results) when no interpreter with llama-cpp-python is found
-(:mod:`perf.peers.llamacpp`) or the engine does not run the embedded model. The peer runs the
-embedded model as F32 weights (``perf.peers.gguf_f32``; promptcache runs the same weights
-dequantized to fp32) with flash attention off and on, and as the shipped Q4_1 file; promptcache
+(:mod:`perf.peers.llamacpp`) or the engine runs neither the embedded model nor a fetched one. The
+peer runs the model's GGUF as F32 weights (``perf.peers.gguf_f32``; promptcache runs the same
+weights dequantized to fp32) with flash attention off and on, and as the quantized file itself
+(the embedded model's Q4_1, the fetched Qwen2.5-Coder's Q4_K_M); promptcache
 runs as configured (``--matmul`` picks its matmul precision). Both engines get the very same
 token ids: a chronicle document of each context size in a chat prompt, then different short
 questions.
@@ -68,18 +69,18 @@ def run(bench: Bench) -> dict:
     if python is None:
         log.warning("llama.cpp peer skipped: %s", version)
         return {"skipped": version}
-    if bench.engine.name != "SmolLM2-135M-Instruct":
-        return {"skipped": f"the peer runs the embedded model; this engine runs {bench.engine.name}"}
-    from pckernels.integration.embedded import gguf_path
-
-    models = {"f32": gguf_f32.embedded_f32(), "q4_1": gguf_path()}
+    models = gguf_f32.peer_weights(bench.engine.name)
+    if models is None:
+        return {"skipped": f"the peer runs the embedded or a fetched model's GGUF; this engine runs {bench.engine.name}"}
+    quant = next(label for label in models if label != "f32")
     # (weights, flash attention, KV cache type): llama.cpp's default KV is F16, half the bytes
     # promptcache's fp32 KV reads per decoded token; "kv f32" is the same arithmetic on both sides
     setups = {"llama.cpp f32": ("f32", False, "f16"), "llama.cpp f32 kv f32": ("f32", False, "f32"),
-              "llama.cpp q4_1": ("q4_1", False, "f16")}
+              f"llama.cpp {quant}": (quant, False, "f16")}
     if cfg.peer_flash:
         setups["llama.cpp f32 fa"] = ("f32", True, "f16")
-    out = {"llama_cpp_python": version, "threads": cfg.peer_threads, "promptcache_matmul": bench.engine.matmul,
+    out = {"llama_cpp_python": version, "weights": {label: str(path) for label, path in models.items()},
+           "threads": cfg.peer_threads, "promptcache_matmul": bench.engine.matmul,
            "contexts": [], "failed": {}}
     for context in cfg.peer_contexts:
         out["contexts"].append(_context(bench, python, models, setups, context, out["failed"]))

@@ -159,11 +159,12 @@ def concurrency_section(result: dict) -> list[str]:
 def llamacpp_section(result: dict) -> list[str]:
     if result.get("skipped"):
         return ["## 8. llama.cpp, the CPU peer", "", f"Skipped: {result['skipped']}", ""]
+    quant = next((label for label in result.get("weights", {}) if label != "f32"), "q4_1").upper()
     lines = ["## 8. llama.cpp, the CPU peer", "",
              f"llama-cpp-python {result['llama_cpp_python']}, {result['threads']} threads each; the same token ids; "
-             f"llama.cpp on the embedded model's weights as F32 with its default F16 KV cache, with an F32 KV "
+             f"llama.cpp on the model's GGUF weights as F32 with its default F16 KV cache, with an F32 KV "
              f"cache (`kv f32`, promptcache's KV precision) and, if asked, flash attention (`fa`), and as the "
-             f"shipped Q4_1; promptcache with {result['promptcache_matmul']} matmuls. *hit*: a new question "
+             f"quantized file ({quant}); promptcache with {result['promptcache_matmul']} matmuls. *hit*: a new question "
              "(the tokens after the document) over the cached document — llama.cpp keeps its longest cached "
              "prefix; promptcache imports the document as a module, or `complete()` reuses its prefix blocks.", ""]
     for c in result["contexts"]:
