@@ -178,8 +178,9 @@ def llamacpp_section(result: dict) -> list[str]:
                          f"{rate['median']:.1f} ({rate['min']:.1f}–{rate['max']:.1f})" if rate else "–"])
         lines += [f"### {c['context_tokens']}-token prompt, {c['question_tokens']} new tokens per question", "",
                   *_table(["engine", "cold prefill", "hit TTFT", "decode tok/s"], rows), "",
-                  f"promptcache's prefix reuse recomputes {c['prefix_recomputed_tokens']} tokens per hit (the tail "
-                  f"after the last full block plus the question); first tokens agree across engines in "
+                  f"promptcache's prefix reuse recomputes {c['prefix_recomputed_tokens']} tokens per hit (resuming "
+                  f"at a block: the tail after the last full block plus the question; at a token: the "
+                  f"question); first tokens agree across engines in "
                   f"{c['first_token_agrees']} of {c['rounds']} rounds.", ""]
     for label, why in result.get("failed", {}).items():
         lines += [f"{label}: left out — {why}.", ""]
