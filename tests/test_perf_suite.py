@@ -202,3 +202,15 @@ def test_peer_weights_name_the_model_an_engine_runs():
 
     assert gguf_f32.file_type(gguf_path()) == "q4_1"
     assert gguf_f32.peer_weights("llama-2-7b-shaped") is None
+
+
+@pytest.mark.parametrize("source, made", [("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.F32.gguf"),
+                                          ("qwen2.5-coder-0.5b-instruct-v1.gguf",
+                                           "qwen2.5-coder-0.5b-instruct-v1.F32.gguf"),
+                                          ("model.BF16.gguf", "model.F32.gguf")])
+def test_f32_copies_are_named_after_their_source(tmp_path, monkeypatch, source, made):
+    """The F32 copy drops a quantization tag and nothing else (a dotted version stays)."""
+    from perf.peers import gguf_f32
+
+    monkeypatch.setattr(gguf_f32, "write_f32", lambda src, target: Path(target).touch() or Path(target))
+    assert gguf_f32.f32_of(tmp_path / source, tmp_path).name == made

@@ -10,6 +10,7 @@ hyper-parameters) is copied unchanged; only ``general.file_type`` becomes ``ALL_
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +68,9 @@ def f32_of(source: str | Path, cache_dir: str | Path | None = None) -> Path:
     from pckernels.integration.embedded import cache_root
 
     source = Path(source)
-    target = Path(cache_dir or cache_root() / "models") / (source.stem.split(".")[0] + ".F32.gguf")
+    stem, _, tag = source.stem.rpartition(".")  # "SmolLM2-135M-Instruct.Q4_1": drop the quantization tag
+    name = stem if stem and re.fullmatch(r"(?i)q\d\w*|[bf]f?16|f32", tag) else source.stem
+    target = Path(cache_dir or cache_root() / "models") / f"{name}.F32.gguf"
     if not target.is_file():
         write_f32(source, target)
     return target
