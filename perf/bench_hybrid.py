@@ -2,6 +2,8 @@
 
 ``python -m perf.bench_hybrid [--families lfm2 qwen3_next] [--lengths 8192 16384 32768] [--block 256]
 [--chunks 128 256 512 1024] [--clients 8] [--turns 4] [--decode-tokens 32] [--device cuda] [--out DIR]``
+``python -m perf.bench_hybrid --model qwen2.5-coder-0.5b --lengths 16384 --chunks --clients 0`` — the
+same engine rows on a named model (the second seed's table on an attention-only model).
 
 Random models big enough to matter (no hub here): an **LFM2-style** model (12 layers: two
 short-convolution layers then one attention layer, repeated; hidden 512) and a **Qwen3-Next-style**
@@ -81,10 +83,18 @@ def same(a, b) -> bool:
     return a.token_ids == b.token_ids and torch.equal(a.first_logits, b.first_logits)
 
 
+def sized_document(tokenizer, length: int, seed: int = 0) -> str:
+    """A :func:`document` of ``length`` tokens of ``tokenizer`` (one token per byte on the byte
+    tokenizer; a model's BPE packs several bytes into a token)."""
+    text = document(8 * length, seed)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:length]
+    return tokenizer.decode(ids)
+
+
 def ttft_table(engine: PromptCache, length: int, decode_tokens: int, rounds: int = 3) -> dict:
     """The seed's rows for one prompt length (module docstring); each length its own document, so no
     length reuses another's blocks."""
-    doc = document(length, seed=length)
+    doc = sized_document(engine.tokenizer, length, seed=length)
     middle = len(doc) // 2
     edited = doc[:middle] + "EDITED" + doc[middle + 6:]
     first = chat(doc, "Which ledger comes after the quarry?")
@@ -236,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the model in bf16 there)")
+    ap.add_argument("--model", help="instead of the random hybrids, the same table on a named model "
+                                    "(qwen2.5-coder-0.5b: the second seed's table on an attention-only model)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -248,15 +260,21 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = tiny_tokenizer()
     results = {"machine": machine_name(device), "threads": args.threads, "block": args.block, "dtype": str(dtype),
                "torch": torch.__version__, "families": {}}
+    subjects = [args.model] if args.model else args.families
     with Progress() as progress:
-        task = progress.add_task("hybrid", total=len(args.families) * (len(args.lengths) + 2))
-        for family in args.families:
-            model = build(family, len(tokenizer), device, dtype)
-            layers = ", ".join(f"{n} {t}" for t, n in sorted({t: model.config.layer_types.count(t)
-                                                               for t in model.config.layer_types}.items()))
+        task = progress.add_task("hybrid", total=len(subjects) * (len(args.lengths) + 2))
+        for family in subjects:
+            if args.model:
+                engine = PromptCache.from_pretrained(args.model, device=device, store_dir=False,
+                                                     prefix_block_size=args.block, kv_budget="16GiB")
+                model, tokenizer, family = engine.model, engine.tokenizer, engine.name
+            else:
+                model = build(family, len(tokenizer), device, dtype)
+                engine = PromptCache(model, tokenizer, prefix_block_size=args.block, kv_budget="16GiB")
+            kinds = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+            layers = ", ".join(f"{n} {t}" for t, n in sorted({t: kinds.count(t) for t in kinds}.items()))
             data = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6, "layers": layers, "lengths": {}}
-            engine = PromptCache(model, tokenizer, prefix_block_size=args.block, kv_budget="16GiB")
-            engine.complete(chat(document(2 * args.block), "warm up"), max_new_tokens=2, reuse=False)
+            engine.complete(chat(sized_document(tokenizer, 2 * args.block), "warm up"), max_new_tokens=2, reuse=False)
             for length in args.lengths:
                 progress.update(task, description=f"{family} {length}")
                 data["lengths"][length] = ttft_table(engine, length, args.decode_tokens, args.decode_rounds)

@@ -158,6 +158,21 @@ def test_bench_hybrid_reports_every_case_exact(tmp_path, monkeypatch):
     assert "| first pass |" in (tmp_path / "summary.md").read_text()
 
 
+def test_bench_hybrid_runs_the_table_on_a_named_model(tmp_path):
+    """``--model``: the same rows on a model by name (the embedded SmolLM2 here), documents sized in
+    its tokens; an attention-only model's repeat and edits are exact too."""
+    from perf import bench_hybrid
+
+    assert bench_hybrid.main(["--model", "smollm2", "--lengths", "200", "--block", "64", "--chunks", "--clients", "0",
+                              "--decode-tokens", "2", "--decode-rounds", "1", "--threads", "1",
+                              "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "hybrid.json").read_text())
+    [(name, data)] = results["families"].items()
+    row = data["lengths"]["200"]
+    assert name == "SmolLM2-135M-Instruct" and data["layers"] == "30 full_attention"
+    assert 200 < row["prompt_tokens"] < 260 and all(case["exact"] for case in row["cases"].values())
+
+
 def test_bench_command_hands_its_arguments_to_the_suite():
     assert suite_root() == ROOT
     result = CliRunner().invoke(app, ["bench", "--help"])
