@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import tempfile
 import time
@@ -44,6 +43,7 @@ from rich.progress import Progress
 from pckernels.engine import PromptCache
 from pckernels.engine.loading import default_dtype
 from pckernels.prefix.testing import tiny_tokenizer
+from perf.suite.runner import machine_name, peak_rss_gib
 
 COMMON = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=65536)
@@ -251,8 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from perf.suite.runner import machine_name
-
     device = torch.device(args.device)
     dtype = default_dtype(device)
     out_dir = args.out or Path(__file__).resolve().parent / "results" / machine_name(device) / "hybrid"
@@ -293,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                                   **server_rates(model, tokenizer, args.clients, args.turns, args.server_tokens,
                                                  args.block)}
             progress.advance(task)
-            data["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            data["peak_rss_gib"] = peak_rss_gib()
             if device.type == "cuda":
                 data["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             results["families"][family] = data

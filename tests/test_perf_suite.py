@@ -47,12 +47,12 @@ def test_every_experiment_runs_and_is_reported(engine, tmp_path):
     assert saved["config"]["name"] == "tiny"
     for name in ("overview", *EXPERIMENTS):
         if name == "llamacpp":
-            assert results["experiments"][name]["skipped"], "the peer runs the embedded model only"
+            assert results["experiments"][name]["skipped"], "the peer runs only a model with a GGUF of its own"
             assert not (tmp_path / f"{name}.png").exists()
             continue
         assert (tmp_path / f"{name}.png").stat().st_size > 0
     text = summary.read_text()
-    assert "## Targets" in text and "## 6. Decode rate" in text
+    assert "## Targets" in text and "## 6. Decode rate" in text and "Peak resident memory of the process" in text
     ttft = results["experiments"]["ttft"]["rows"]
     assert [r["cached_tokens"] > 0 and r["computed_tokens"] > 0 for r in ttft] == [True, True]
     assert all(r["baseline"]["n"] == 2 for r in ttft)

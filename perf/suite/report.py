@@ -226,6 +226,8 @@ def markdown(results: dict, plots: list[Path]) -> str:
              f"measurement, median (min–max). {env['started']}, {results['elapsed_s']:.0f} s ("
              + ", ".join(f"{name} {s:.0f} s" for name, s in results.get("seconds", {}).items()) + ").", "",
              f"Command: `{env['command']}`", ""]
+    if env.get("peak_rss_gib"):
+        lines += [f"Peak resident memory of the process: {env['peak_rss_gib']:.2f} GiB.", ""]
     if load:
         lines += [f"Load average (1 min) at start / end: {load['start']:.1f} / {load['end']:.1f} on "
                   f"{env['cores']} cores{' — the machine was busy; treat timings as noisy' if load['busy'] else ''}.",

@@ -104,6 +104,7 @@ def run_suite(engine: PromptCache, config: SuiteConfig, *, show_progress: bool =
             if checkpoint is not None:
                 write_checkpoint(results, checkpoint)
     results["elapsed_s"] = time.perf_counter() - started
+    env["peak_rss_gib"] = peak_rss_gib()
     load_end = _load_average()
     if load_start is not None and load_end is not None:
         cores = os.cpu_count() or 1
@@ -111,6 +112,13 @@ def run_suite(engine: PromptCache, config: SuiteConfig, *, show_progress: bool =
                                "busy": max(load_start, load_end) > cores + 0.5}
     results["complete"] = True
     return results
+
+
+def peak_rss_gib() -> float:
+    """The process's peak resident memory so far, in GiB (``ru_maxrss`` is KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _check_resumable(previous: dict, config: SuiteConfig) -> None:
