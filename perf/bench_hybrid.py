@@ -191,7 +191,7 @@ def server_rates(model, tokenizer, clients: int, turns: int, length: int, block:
 
 
 def summary(results: dict) -> str:
-    lines = [f"# Hybrid models: exact prefix reuse ({results['machine']}, {results['threads']} threads, "
+    lines = [f"# Exact prefix reuse on long prompts ({results['machine']}, {results['threads']} threads, "
              f"{results.get('dtype', 'torch.float32')})", ""]
     for family, data in results["families"].items():
         lines += [f"## {family} ({data['params_m']:.0f}M parameters, {data['layers']})", "",
