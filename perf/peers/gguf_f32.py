@@ -101,7 +101,8 @@ def file_type(path: str | Path) -> str:
 
 
 def peer_weights(engine_name: str) -> dict[str, Path] | None:
-    """``{"f32": F32 GGUF, <quant label>: the quantized GGUF}`` of the model an engine called
+    """``{"f32": F32 GGUF, <quant label>: the quantized GGUF}`` (the first alone when the source is
+    F32 already) of the model an engine called
     ``engine_name`` runs (the embedded model, or a fetched one by display name); ``None`` for any
     other model, whose weights llama.cpp would not share."""
     from pckernels.integration import fetched
@@ -114,4 +115,5 @@ def peer_weights(engine_name: str) -> dict[str, Path] | None:
         if not names:
             return None
         source = fetched_gguf(names[0])
-    return {"f32": f32_of(source), file_type(source): source}
+    quant = file_type(source)
+    return {"f32": source} if quant == "f32" else {"f32": f32_of(source), quant: source}

@@ -54,7 +54,8 @@ def profile(engine, fn: Callable[[], object]) -> dict:
     ``fn()`` (a query on ``engine``), over the calling thread and the engine's scheduler thread (the
     calling thread alone on Python 3.12+, where only one cProfile can be active)."""
     caller, worker = cProfile.Profile(), cProfile.Profile()
-    if sys.version_info < (3, 12):  # from 3.12 (sys.monitoring) a second profiler cannot be enabled
+    both_threads = sys.version_info < (3, 12)  # from 3.12 (sys.monitoring) a second profiler cannot be enabled
+    if both_threads:
         engine.scheduler.profiler = worker
     caller.enable()
     try:
@@ -63,7 +64,7 @@ def profile(engine, fn: Callable[[], object]) -> dict:
         caller.disable()
         engine.scheduler.profiler = None
     stats = pstats.Stats(caller)
-    if worker.getstats():
+    if both_threads:
         stats.add(worker)
     components: dict[str, float] = {}
     total = 0.0

@@ -72,11 +72,10 @@ def run(bench: Bench) -> dict:
     models = gguf_f32.peer_weights(bench.engine.name)
     if models is None:
         return {"skipped": f"the peer runs the embedded or a fetched model's GGUF; this engine runs {bench.engine.name}"}
-    quant = next(label for label in models if label != "f32")
     # (weights, flash attention, KV cache type): llama.cpp's default KV is F16, half the bytes
     # promptcache's fp32 KV reads per decoded token; "kv f32" is the same arithmetic on both sides
-    setups = {"llama.cpp f32": ("f32", False, "f16"), "llama.cpp f32 kv f32": ("f32", False, "f32"),
-              f"llama.cpp {quant}": (quant, False, "f16")}
+    setups = {"llama.cpp f32": ("f32", False, "f16"), "llama.cpp f32 kv f32": ("f32", False, "f32")}
+    setups.update({f"llama.cpp {quant}": (quant, False, "f16") for quant in models if quant != "f32"})
     if cfg.peer_flash:
         setups["llama.cpp f32 fa"] = ("f32", True, "f16")
     out = {"llama_cpp_python": version, "weights": {label: str(path) for label, path in models.items()},
