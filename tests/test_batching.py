@@ -10,6 +10,7 @@ prefilled alone. See docs/engine.md.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 
@@ -305,7 +306,7 @@ def test_a_bug_in_the_model_thread_fails_requests_instead_of_hanging_them(tokeni
     pc.close()
 
 
-def test_a_profiler_that_cannot_start_leaves_the_engine_answering(tokenizer, alone):  # noqa: F811
+def test_a_profiler_that_cannot_start_leaves_the_engine_answering(tokenizer, alone, caplog):  # noqa: F811
     """The perf suite's breakdown hands the scheduler a profiler; on Python 3.12+ a second cProfile
     refuses to start (ValueError). The step then runs unprofiled instead of killing the thread."""
     class Refusing:
@@ -318,9 +319,11 @@ def test_a_profiler_that_cannot_start_leaves_the_engine_answering(tokenizer, alo
     pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema")
     pc.add_schema(SCHEMA)
     pc.scheduler.profiler = Refusing()
-    got = pc.submit(PROMPTS["other-member"], max_new_tokens=NEW_TOKENS, mode="cached").result(timeout=60)
-    pc.scheduler.profiler = None
+    with caplog.at_level(logging.WARNING, logger="pckernels.engine.scheduler"):
+        got = pc.submit(PROMPTS["other-member"], max_new_tokens=NEW_TOKENS, mode="cached").result(timeout=60)
     assert_close(got, alone["other-member", "cached"])
+    assert pc.scheduler.profiler is None  # dropped after the first refusal: one warning, not one per step
+    assert sum("could not be enabled" in r.getMessage() for r in caplog.records) == 1
     pc.close()
 
 

@@ -205,7 +205,9 @@ class Scheduler:
                     if profiler is not None:
                         profiler.enable()
                 except Exception:  # e.g. Python 3.12+ allows one cProfile per process: run unprofiled
-                    log.warning("the engine's profiler could not be enabled; this step runs unprofiled", exc_info=True)
+                    log.warning("the engine's profiler could not be enabled; the engine runs unprofiled", exc_info=True)
+                    if self.profiler is profiler:  # dropped, so that it is tried (and warned of) once
+                        self.profiler = None
                     profiler = None
                 try:
                     with self.ctx.model_lock:
