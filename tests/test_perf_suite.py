@@ -229,3 +229,46 @@ def test_f32_copies_are_named_after_their_source(tmp_path, monkeypatch, source, 
 
     monkeypatch.setattr(gguf_f32, "write_f32", lambda src, target: Path(target).touch() or Path(target))
     assert gguf_f32.f32_of(tmp_path / source, tmp_path).name == made
+
+
+def test_a_peer_whose_repacked_kernels_die_of_sigill_runs_without_repacking(monkeypatch):
+    """llama.cpp's AMX kernels raise SIGILL on this VM's first read of a quantized model: the
+    set-up is started again with repacking off (and says so); a worker that dies otherwise, or
+    again without repacking, is left out; a healthy one keeps llama.cpp's default."""
+    from perf.suite import peer as peer_mod
+
+    started = []
+
+    class FakePeer:
+        def __init__(self, python):
+            self.killed_by_sigill = False
+
+        def load(self, model, *, repack, **kw):
+            self.model, self.repack = model, repack
+            started.append((model, repack))
+
+        def prefill(self, ids):
+            assert ids == peer_mod.PROBE
+            if self.model == "amx" and self.repack or self.model == "broken":
+                self.killed_by_sigill = self.model == "amx"
+                raise RuntimeError("the llama.cpp worker exited (code -4)")
+
+        def died_of_sigill(self):
+            return self.killed_by_sigill
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(peer_mod, "Peer", FakePeer)
+    models = {"f32": "fine", "q4_k_m": "amx", "q4_1": "broken"}
+    setups = {"llama.cpp f32": ("f32", False, "f16"), "llama.cpp q4_k_m": ("q4_k_m", False, "f16"),
+              "llama.cpp q4_1": ("q4_1", False, "f16")}
+    failed, no_repack = {}, []
+    peers = peer_mod._Setups("python", models, setups, 4096, 2, failed, no_repack)
+    assert sorted(peers.peers) == ["llama.cpp f32", "llama.cpp q4_k_m"]
+    assert not peers.peers["llama.cpp q4_k_m"].repack and peers.peers["llama.cpp f32"].repack
+    assert no_repack == ["llama.cpp q4_k_m"] and list(failed) == ["llama.cpp q4_1"]
+    assert started == [("fine", True), ("amx", True), ("amx", False), ("broken", True)]
+    started.clear()
+    peer_mod._Setups("python", models, setups, 4096, 2, failed, no_repack)  # the next context
+    assert started == [("fine", True), ("amx", False)]  # no second SIGILL, the left-out one not retried

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -60,11 +61,18 @@ class Peer:
             raise RuntimeError(f"llama.cpp worker: {answer['error']}")
         return answer
 
-    def load(self, model: Path, *, n_ctx: int, threads: int, flash_attn: bool, kv: str = "f16") -> str:
-        """Load ``model`` with ``kv`` ("f16", llama.cpp's default, or "f32") as the KV cache type."""
+    def load(self, model: Path, *, n_ctx: int, threads: int, flash_attn: bool, kv: str = "f16",
+             repack: bool = True) -> str:
+        """Load ``model`` with ``kv`` ("f16", llama.cpp's default, or "f32") as the KV cache type;
+        ``repack=False`` is llama.cpp's ``--no-repack``."""
         self.cached = []
         return self._ask(op="load", model=str(model), n_ctx=n_ctx, threads=threads, flash_attn=flash_attn,
-                         kv=kv)["version"]
+                         kv=kv, repack=repack)["version"]
+
+    def died_of_sigill(self) -> bool:
+        """The worker was killed by an illegal instruction (llama.cpp's AMX kernels, on a CPU that
+        advertises AMX but cannot run it, as this VM's)."""
+        return self.process.poll() == -signal.SIGILL
 
     def prefill(self, ids: list[int]) -> dict:
         """A cold read of ``ids``: seconds and the greedy next token."""

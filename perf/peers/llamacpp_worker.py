@@ -4,7 +4,9 @@ llama-cpp-python is compiled from source into a separate virtual environment (it
 dependency of promptcache), so :mod:`perf.peers.llamacpp` runs this module with that
 environment's Python and talks to it over stdin/stdout, one JSON object per line:
 
-``{"op": "load", "model": PATH, "n_ctx": N, "threads": T, "flash_attn": bool, "kv": "f16"|"f32"}``
+``{"op": "load", "model": PATH, "n_ctx": N, "threads": T, "flash_attn": bool, "kv": "f16"|"f32",
+"repack": bool}`` (``repack: false`` is llama.cpp's ``--no-repack``: no extra buffer types, so no
+AMX or other repacked weight kernels);
 ``{"op": "prefill", "ids": [...]}``: a cold read of ``ids`` (the cache cleared first);
 ``{"op": "hit", "keep": K, "ids": [...]}``: keep the first ``K`` cached tokens (llama.cpp's own
 prefix reuse, as its server does) and read the rest of ``ids``;
@@ -19,6 +21,7 @@ tokens chosen, so both engines can be checked to answer the same token ids.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -27,6 +30,29 @@ import time
 from pathlib import Path
 
 LOOKAHEAD = Path(__file__).resolve().parents[2] / "pckernels" / "engine" / "lookahead.py"
+
+
+@contextlib.contextmanager
+def _repacking(llama_cpp, repack: bool):
+    """While loading: llama.cpp's model defaults, with ``use_extra_bufts`` (weight repacking) off
+    when ``repack`` is False — llama-cpp-python's ``Llama`` takes no argument for it. This process
+    loads one model at a time, so swapping the default for the duration is safe."""
+    if repack:
+        yield
+        return
+    low = llama_cpp.llama_cpp
+    default = low.llama_model_default_params
+
+    def no_repack():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    low.llama_model_default_params = no_repack
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
 
 
 def _argmax(llm) -> int:
@@ -99,10 +125,11 @@ def main() -> None:
         try:
             if op == "load":
                 kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[request.get("kv", "f16")]
-                llm = llama_cpp.Llama(model_path=request["model"], n_ctx=request["n_ctx"], type_k=kv, type_v=kv,
-                                      n_threads=request["threads"], n_threads_batch=request["threads"],
-                                      n_batch=512, n_ubatch=512, flash_attn=request["flash_attn"],
-                                      logits_all=False, verbose=False)
+                with _repacking(llama_cpp, request.get("repack", True)):
+                    llm = llama_cpp.Llama(model_path=request["model"], n_ctx=request["n_ctx"], type_k=kv, type_v=kv,
+                                          n_threads=request["threads"], n_threads_batch=request["threads"],
+                                          n_batch=512, n_ubatch=512, flash_attn=request["flash_attn"],
+                                          logits_all=False, verbose=False)
                 answer = {"version": llama_cpp.__version__}
             elif op == "prefill":
                 llm.reset()

@@ -80,30 +80,46 @@ def run(bench: Bench) -> dict:
         setups["llama.cpp f32 fa"] = ("f32", True, "f16")
     out = {"llama_cpp_python": version, "weights": {label: str(path) for label, path in models.items()},
            "threads": cfg.peer_threads, "promptcache_matmul": bench.engine.matmul,
-           "contexts": [], "failed": {}}
+           "contexts": [], "failed": {}, "no_repack": []}
     for context in cfg.peer_contexts:
-        out["contexts"].append(_context(bench, python, models, setups, context, out["failed"]))
+        out["contexts"].append(_context(bench, python, models, setups, context, out["failed"], out["no_repack"]))
     return out
+
+
+PROBE = list(range(1, 17))
+"""Token ids a new worker reads once before it is measured (any model's vocabulary has them)."""
 
 
 class _Setups:
     """One llama.cpp worker per set-up, each keeping its own cache between rounds (as a server
-    would); a set-up whose worker dies (llama-cpp-python 0.3.36 segfaults reading the shipped Q4_1
-    file on this machine's build) is recorded in ``failed`` and left out."""
+    would). A worker reads a few tokens first; if llama.cpp's repacked weight kernels die there of
+    an illegal instruction (its AMX kernels on this VM, whose CPU advertises AMX), the set-up runs
+    with repacking off (``--no-repack``) and says so in ``no_repack``. A set-up whose worker still
+    dies is recorded in ``failed`` and left out."""
 
-    def __init__(self, python: str, models: dict, setups: dict, n_ctx: int, threads: int, failed: dict) -> None:
+    def __init__(self, python: str, models: dict, setups: dict, n_ctx: int, threads: int, failed: dict,
+                 no_repack: list) -> None:
         self.peers: dict[str, Peer] = {}
         self.failed = failed
         for label, (model, flash, kv) in setups.items():
             if label in failed:
                 continue
-            peer = Peer(python)
-            try:
-                peer.load(models[model], n_ctx=n_ctx, threads=threads, flash_attn=flash, kv=kv)
-            except RuntimeError as exc:
-                self._fail(label, peer, exc)
-                continue
-            self.peers[label] = peer
+            for repack in (label not in no_repack, False):
+                peer = Peer(python)
+                try:
+                    peer.load(models[model], n_ctx=n_ctx, threads=threads, flash_attn=flash, kv=kv,
+                              repack=repack)
+                    peer.prefill(PROBE)
+                except RuntimeError as exc:
+                    if repack and peer.died_of_sigill():
+                        log.warning("%s: llama.cpp's repacked kernels died of SIGILL; again with --no-repack", label)
+                        peer.close()
+                        no_repack.append(label)
+                        continue
+                    self._fail(label, peer, exc)
+                    break
+                self.peers[label] = peer
+                break
 
     def _fail(self, label: str, peer: Peer, exc: Exception) -> None:
         log.warning("%s left out: %s", label, exc)
@@ -128,7 +144,8 @@ class _Setups:
             peer.close()
 
 
-def _context(bench: Bench, python: str, models: dict, setups: dict, context: int, failed: dict) -> dict:
+def _context(bench: Bench, python: str, models: dict, setups: dict, context: int, failed: dict,
+             no_repack: list) -> dict:
     cfg, engine = bench.config, bench.engine
     schema, prompts = _prompts(bench, context)
     bench.add_schema(schema)
@@ -141,7 +158,7 @@ def _context(bench: Bench, python: str, models: dict, setups: dict, context: int
     def add(name: str, value: float) -> None:
         samples.setdefault(name, []).append(value)
 
-    peers = _Setups(python, models, setups, n_ctx, cfg.peer_threads, failed)
+    peers = _Setups(python, models, setups, n_ctx, cfg.peer_threads, failed, no_repack)
     try:
         for _ in range(cfg.repeats):  # interleaved; llama.cpp's cache ends holding ids[0] for the hits
             for label, answer in peers.each(lambda p: p.prefill(ids[0])).items():

@@ -182,6 +182,9 @@ def llamacpp_section(result: dict) -> list[str]:
                   f"at a block: the tail after the last full block plus the question; at a token: the "
                   f"question); first tokens agree across engines in "
                   f"{c['first_token_agrees']} of {c['rounds']} rounds.", ""]
+    if result.get("no_repack"):
+        lines += [f"{', '.join(result['no_repack'])}: with weight repacking off (llama.cpp's `--no-repack`) — "
+                  f"its repacked (AMX) kernels died of an illegal instruction on this CPU.", ""]
     for label, why in result.get("failed", {}).items():
         lines += [f"{label}: left out — {why}.", ""]
     return lines
