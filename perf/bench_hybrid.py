@@ -16,7 +16,7 @@ the engine's default dtype there (bf16), the server loading the saved model the 
   (it stores the blocks); the exact repeat; the same document with a new question; a middle
   edit, first request and repeated; the chat's second turn (the answer and a new question);
 * **decode** tokens/s with reuse off and on (the same requests, ``--decode-rounds`` interleaved
-  rounds, medians);
+  rounds, medians; on / off as the median of the per-round ratios);
 * **cold read per chunk size**: reuse off at the first length, for each ``--chunks`` block size
   (the cost of reading in fixed chunks so that reuse resumes exactly);
 * **server**: ``promptcache serve`` on the model, ``--clients`` clients each holding a
@@ -89,6 +89,13 @@ def sized_document(tokenizer, length: int, seed: int = 0) -> str:
     text = document(8 * length, seed)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:length]
     return tokenizer.decode(ids)
+
+
+def decode_ratios(decode: dict) -> list[float]:
+    """Decode rate with reuse on over off, per interleaved round: the machine's drift between rounds
+    cancels in each pair, which a ratio of the two medians keeps."""
+    rounds = decode.get("rounds", {})
+    return [on / off for on, off in zip(rounds.get("on", []), rounds.get("off", [])) if off]
 
 
 def ttft_table(engine: PromptCache, length: int, decode_tokens: int, rounds: int = 3) -> dict:
@@ -202,12 +209,14 @@ def summary(results: dict) -> str:
                 lines.append(f"| {row['prompt_tokens']} | {name} | {case['off_s']:.2f} s | {case['on_s'] * 1e3:.0f} ms | "
                              f"{case['cached']} | {case['off_s'] / max(case['on_s'], 1e-9):.1f}x | "
                              f"{'yes' if case['exact'] else 'NO'} |")
-        lines += ["", "| prompt | decode off (tok/s) | decode on (tok/s) | on / off | tokens | exact |",
-                  "|---|---:|---:|---:|---:|---|"]
+        lines += ["", "| prompt | decode off (tok/s) | decode on (tok/s) | on / off per round, median (min–max) "
+                      "| tokens | exact |", "|---|---:|---:|---:|---:|---|"]
         for length, row in data["lengths"].items():
             d = row["decode"]
-            ratio = d["on"] / d["off"] if d["on"] and d["off"] else float("nan")
-            lines.append(f"| {row['prompt_tokens']} | {d['off'] or 0:.1f} | {d['on'] or 0:.1f} | {ratio:.3f} | "
+            ratios = decode_ratios(d)
+            spread = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})" if ratios
+                      else "n/a")
+            lines.append(f"| {row['prompt_tokens']} | {d['off'] or 0:.1f} | {d['on'] or 0:.1f} | {spread} | "
                          f"{d['tokens']} | {'yes' if d['exact'] else 'NO'} |")
         if "peak_rss_gib" in data:
             lines.append(f"\nPeak resident memory of the process after {family}: {data['peak_rss_gib']:.1f} GiB"
