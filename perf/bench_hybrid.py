@@ -16,7 +16,8 @@ the engine's default dtype there (bf16), the server loading the saved model the 
   (it stores the blocks); the exact repeat; the same document with a new question; a middle
   edit, first request and repeated; the chat's second turn (the answer and a new question);
 * **decode** tokens/s with reuse off and on (the same requests, ``--decode-rounds`` interleaved
-  rounds, medians; on / off as the median of the per-round ratios);
+  rounds, each other round in the other order, medians; on / off as the median of the per-round
+  ratios);
 * **cold read per chunk size**: reuse off at the first length, for each ``--chunks`` block size
   (the cost of reading in fixed chunks so that reuse resumes exactly);
 * **server**: ``promptcache serve`` on the model, ``--clients`` clients each holding a
@@ -127,8 +128,8 @@ def ttft_table(engine: PromptCache, length: int, decode_tokens: int, rounds: int
                                    "exact": same(on, off)}
     rates: dict[str, list[float]] = {"off": [], "on": []}
     decoded = {}
-    for _ in range(rounds):
-        for mode in ("off", "on"):
+    for index in range(rounds):
+        for mode in ("off", "on") if index % 2 == 0 else ("on", "off"):  # neither always second
             result = engine.complete(first, max_new_tokens=decode_tokens, reuse=mode == "on")
             decoded[mode] = result
             if len(result.token_ids) > 1:
