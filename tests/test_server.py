@@ -73,7 +73,7 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def client(self, key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=180)  # a 9K-token cold read on two busy cores
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=10).text
