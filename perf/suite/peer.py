@@ -104,22 +104,30 @@ class _Setups:
         for label, (model, flash, kv) in setups.items():
             if label in failed:
                 continue
-            for repack in (label not in no_repack, False):
-                peer = Peer(python)
-                try:
-                    peer.load(models[model], n_ctx=n_ctx, threads=threads, flash_attn=flash, kv=kv,
-                              repack=repack)
-                    peer.prefill(PROBE)
-                except RuntimeError as exc:
-                    if repack and peer.died_of_sigill():
-                        log.warning("%s: llama.cpp's repacked kernels died of SIGILL; again with --no-repack", label)
-                        peer.close()
-                        no_repack.append(label)
-                        continue
-                    self._fail(label, peer, exc)
-                    break
+            load = dict(n_ctx=n_ctx, threads=threads, flash_attn=flash, kv=kv)
+            peer = self._start(python, label, models[model], load, repack=label not in no_repack)
+            if peer is None and label not in failed:
+                log.warning("%s: llama.cpp's repacked kernels died of SIGILL; again with --no-repack", label)
+                no_repack.append(label)
+                peer = self._start(python, label, models[model], load, repack=False)
+            if peer is not None:
                 self.peers[label] = peer
-                break
+
+    def _start(self, python: str, label: str, model, load: dict, repack: bool) -> Peer | None:
+        """A worker that has loaded ``model`` and read the probe; None when it died — of SIGILL
+        with repacking on (worth a retry without), or of anything else (then recorded in
+        ``failed``)."""
+        peer = Peer(python)
+        try:
+            peer.load(model, repack=repack, **load)
+            peer.prefill(PROBE)
+        except RuntimeError as exc:
+            if repack and peer.died_of_sigill():
+                peer.close()
+            else:
+                self._fail(label, peer, exc)
+            return None
+        return peer
 
     def _fail(self, label: str, peer: Peer, exc: Exception) -> None:
         log.warning("%s left out: %s", label, exc)
