@@ -127,7 +127,7 @@ class AssemblyBuffer:
         key_pos = self.row_pos[:rows]
         visible = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
         bias = self.row_bias[:rows].unsqueeze(0).expand(visible.shape)
-        return AttentionSpec(torch.where(visible, bias, torch.full_like(bias, NEG_INF)), query_pos, key_pos)
+        return AttentionSpec(torch.where(visible, bias, NEG_INF), query_pos, key_pos)
 
 
 class _BufferLayer(CacheLayerMixin):

@@ -115,12 +115,15 @@ def forward_state(state: ForwardState):
 
 def visible_extents(mask: torch.Tensor, chunk: int) -> list[int]:
     """For each run of ``chunk`` query rows of the additive ``mask [b, h, q, kv]``: one past the
-    last key column any of those rows may see (``kv`` when a run sees nothing at all)."""
-    visible = (mask != float("-inf")).any(dim=1).any(dim=0)
-    keys = visible.shape[1]
-    per_row = (visible * torch.arange(1, keys + 1, device=mask.device)).amax(dim=1)
-    last = [int(run.max()) for run in per_row.split(chunk)]
-    return [x if x > 0 else keys for x in last]
+    last key column any of those rows may see (``kv`` when a run sees nothing at all). Works one
+    run at a time, so it holds ``[b, h, chunk, kv]`` booleans at most (a 32K-token forward's whole
+    ``[q, kv]`` would be gigabytes)."""
+    keys = mask.shape[-1]
+    extents = []
+    for first in range(0, mask.shape[-2], chunk):
+        seen = (mask[..., first:first + chunk, :] != float("-inf")).flatten(0, -2).any(dim=0).nonzero()
+        extents.append(int(seen[-1]) + 1 if len(seen) else keys)
+    return extents
 
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
