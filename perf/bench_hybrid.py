@@ -3,7 +3,8 @@
 ``python -m perf.bench_hybrid [--families lfm2 qwen3_next] [--lengths 8192 16384 32768] [--block 256]
 [--chunks 128 256 512 1024] [--clients 8] [--turns 4] [--decode-tokens 32] [--device cuda] [--out DIR]``
 ``python -m perf.bench_hybrid --model qwen2.5-coder-0.5b --lengths 16384 --chunks --clients 0`` — the
-same engine rows on a named model (the second seed's table on an attention-only model).
+same engine rows on a named model (the second seed's table on an attention-only model);
+``--cases repeat --decode-rounds 0`` times one case only (two cold reads: 32K on a CPU).
 
 Random models big enough to matter (no hub here): an **LFM2-style** model (12 layers: two
 short-convolution layers then one attention layer, repeated; hidden 512) and a **Qwen3-Next-style**
@@ -54,6 +55,9 @@ FAMILIES = {
                        linear_num_key_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8,
                        num_experts_per_tok=2, moe_intermediate_size=384, shared_expert_intermediate_size=384),
 }
+CASES = ("first pass", "repeat", "new question", "middle edit", "edit repeated", "second turn")
+NEEDS = {case: "first pass" for case in CASES[1:]} | {"edit repeated": "middle edit"}
+"""The case whose reuse-on request stores the blocks a case reads (run even when not timed)."""
 WORDS = ("river", "bridge", "harbour", "tide", "lantern", "orchard", "market", "ledger", "furnace", "quarry")
 
 
@@ -99,9 +103,16 @@ def decode_ratios(decode: dict) -> list[float]:
     return [on / off for on, off in zip(rounds.get("on", []), rounds.get("off", [])) if off]
 
 
-def ttft_table(engine: PromptCache, length: int, decode_tokens: int, rounds: int = 3) -> dict:
+def ttft_table(engine: PromptCache, length: int, decode_tokens: int, rounds: int = 3,
+               chosen: tuple[str, ...] = CASES) -> dict:
     """The seed's rows for one prompt length (module docstring); each length its own document, so no
-    length reuses another's blocks."""
+    length reuses another's blocks. ``chosen``: the cases timed; a case they build on runs its
+    reuse-on request only (a 32K cold read is minutes on a CPU). ``rounds`` 0: no decode rows."""
+    needed = set(chosen)
+    for case in chosen:
+        while case in NEEDS:
+            case = NEEDS[case]
+            needed.add(case)
     doc = sized_document(engine.tokenizer, length, seed=length)
     middle = len(doc) // 2
     edited = doc[:middle] + "EDITED" + doc[middle + 6:]
@@ -113,19 +124,21 @@ def ttft_table(engine: PromptCache, length: int, decode_tokens: int, rounds: int
     }
     row: dict = {"prompt_tokens": None, "cases": {}}
     answer = None
-    for name, messages in cases.items():
-        off = engine.complete(messages, max_new_tokens=2, reuse=False)
+    for name in CASES:
+        if name not in needed:
+            continue
+        messages = (cases[name] if name != "second turn" else
+                    chat(doc, "Which ledger comes after the quarry?", answer, "And the one after that?"))
+        off = engine.complete(messages, max_new_tokens=2, reuse=False) if name in chosen else None
         on = engine.complete(messages, max_new_tokens=2)
         row["prompt_tokens"] = row["prompt_tokens"] or len(on.prompt_token_ids)
-        row["cases"][name] = {"off_s": off.ttft_s, "on_s": on.ttft_s, "cached": on.cached_tokens,
-                              "exact": same(on, off)}
+        if off is not None:
+            row["cases"][name] = {"off_s": off.ttft_s, "on_s": on.ttft_s, "cached": on.cached_tokens,
+                                  "exact": same(on, off)}
         if name == "first pass":
             answer = engine.tokenizer.decode(on.token_ids, skip_special_tokens=True) or "ok"
-    turn = chat(doc, "Which ledger comes after the quarry?", answer, "And the one after that?")
-    off = engine.complete(turn, max_new_tokens=2, reuse=False)
-    on = engine.complete(turn, max_new_tokens=2)
-    row["cases"]["second turn"] = {"off_s": off.ttft_s, "on_s": on.ttft_s, "cached": on.cached_tokens,
-                                   "exact": same(on, off)}
+    if not rounds:
+        return row
     rates: dict[str, list[float]] = {"off": [], "on": []}
     decoded = {}
     for index in range(rounds):
@@ -213,6 +226,8 @@ def summary(results: dict) -> str:
         lines += ["", "| prompt | decode off (tok/s) | decode on (tok/s) | on / off per round, median (min–max) "
                       "| tokens | exact |", "|---|---:|---:|---:|---:|---|"]
         for length, row in data["lengths"].items():
+            if "decode" not in row:
+                continue
             d = row["decode"]
             ratios = decode_ratios(d)
             spread = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})" if ratios
@@ -257,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--server-tokens", type=int, default=2048)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--decode-rounds", type=int, default=3)
+    ap.add_argument("--decode-rounds", type=int, default=3, help="0: no decode rows")
+    ap.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
+                    help="the cases timed at each length (a case they build on still stores its blocks)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the model in bf16 there)")
     ap.add_argument("--model", help="instead of the random hybrids, the same table on a named model "
@@ -289,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             engine.complete(chat(sized_document(tokenizer, 2 * args.block), "warm up"), max_new_tokens=2, reuse=False)
             for length in args.lengths:
                 progress.update(task, description=f"{family} {length}")
-                data["lengths"][length] = ttft_table(engine, length, args.decode_tokens, args.decode_rounds)
+                data["lengths"][length] = ttft_table(engine, length, args.decode_tokens, args.decode_rounds,
+                                                        tuple(args.cases))
                 progress.advance(task)
                 save(out_dir, results, partial=(family, data))
             engine.close()

@@ -137,15 +137,21 @@ def test_gpu_suite_dry_run_writes_its_report(tmp_path):
     assert (tmp_path / "gpu_ttft.png").is_file() and "## TTFT" in (tmp_path / "gpu_summary.md").read_text()
 
 
-def test_bench_hybrid_reports_every_case_exact(tmp_path, monkeypatch):
-    """perf.bench_hybrid end to end on a shrunken LFM2-style model (engine rows, decode, chunk
-    sizes; no server): every case exact, and the report is written as it goes."""
+def shrunken_bench_hybrid(monkeypatch):
+    """perf.bench_hybrid with its LFM2-style model cut to three small layers."""
     from perf import bench_hybrid
 
     monkeypatch.setattr(bench_hybrid, "COMMON", dict(bench_hybrid.COMMON, hidden_size=64, intermediate_size=96,
                                                      num_hidden_layers=3, num_attention_heads=4, head_dim=16))
     monkeypatch.setitem(bench_hybrid.FAMILIES, "lfm2", dict(layer_types=["conv", "conv", "full_attention"],
                                                             block_ff_dim=96))
+    return bench_hybrid
+
+
+def test_bench_hybrid_reports_every_case_exact(tmp_path, monkeypatch):
+    """perf.bench_hybrid end to end on a shrunken LFM2-style model (engine rows, decode, chunk
+    sizes; no server): every case exact, and the report is written as it goes."""
+    bench_hybrid = shrunken_bench_hybrid(monkeypatch)
     assert bench_hybrid.main(["--families", "lfm2", "--lengths", "300", "--block", "64", "--chunks", "32", "64",
                               "--clients", "0", "--decode-tokens", "3", "--decode-rounds", "1", "--threads", "1",
                               "--out", str(tmp_path)]) == 0
@@ -171,6 +177,22 @@ def test_bench_hybrid_runs_the_table_on_a_named_model(tmp_path):
     row = data["lengths"]["200"]
     assert name == "SmolLM2-135M-Instruct" and data["layers"] == "30 full_attention"
     assert 200 < row["prompt_tokens"] < 260 and all(case["exact"] for case in row["cases"].values())
+
+
+def test_bench_hybrid_times_only_the_cases_asked_for(tmp_path, monkeypatch):
+    """``--cases``: only those cases are timed, yet each still reads what the full table would have
+    stored before it (the edit repeated finds the edited document, not just its first half);
+    ``--decode-rounds 0`` leaves the decode rows out."""
+    bench_hybrid = shrunken_bench_hybrid(monkeypatch)
+    assert bench_hybrid.main(["--families", "lfm2", "--lengths", "300", "--block", "32", "--chunks", "--clients",
+                              "0", "--decode-rounds", "0", "--cases", "repeat", "edit repeated", "--threads", "1",
+                              "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "hybrid.json").read_text())["families"]["lfm2"]["lengths"]["300"]
+    assert set(row["cases"]) == {"repeat", "edit repeated"} and "decode" not in row
+    assert all(case["exact"] for case in row["cases"].values())
+    assert row["cases"]["repeat"]["cached"] == row["prompt_tokens"]
+    assert row["cases"]["edit repeated"]["cached"] > row["prompt_tokens"] * 3 // 4
+    assert "| edit repeated |" in (tmp_path / "summary.md").read_text()
 
 
 def test_bench_command_hands_its_arguments_to_the_suite():
