@@ -223,11 +223,11 @@ def summary(results: dict) -> str:
                 lines.append(f"| {row['prompt_tokens']} | {name} | {case['off_s']:.2f} s | {case['on_s'] * 1e3:.0f} ms | "
                              f"{case['cached']} | {case['off_s'] / max(case['on_s'], 1e-9):.1f}x | "
                              f"{'yes' if case['exact'] else 'NO'} |")
-        lines += ["", "| prompt | decode off (tok/s) | decode on (tok/s) | on / off per round, median (min–max) "
-                      "| tokens | exact |", "|---|---:|---:|---:|---:|---|"]
-        for length, row in data["lengths"].items():
-            if "decode" not in row:
-                continue
+        decoded = [row for row in data["lengths"].values() if "decode" in row]
+        if decoded:
+            lines += ["", "| prompt | decode off (tok/s) | decode on (tok/s) | on / off per round, median (min–max) "
+                          "| tokens | exact |", "|---|---:|---:|---:|---:|---|"]
+        for row in decoded:
             d = row["decode"]
             ratios = decode_ratios(d)
             spread = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})" if ratios

@@ -192,7 +192,8 @@ def test_bench_hybrid_times_only_the_cases_asked_for(tmp_path, monkeypatch):
     assert all(case["exact"] for case in row["cases"].values())
     assert row["cases"]["repeat"]["cached"] == row["prompt_tokens"]
     assert row["cases"]["edit repeated"]["cached"] > row["prompt_tokens"] * 3 // 4
-    assert "| edit repeated |" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| edit repeated |" in summary and "decode off" not in summary
 
 
 def test_bench_command_hands_its_arguments_to_the_suite():
