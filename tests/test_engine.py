@@ -382,3 +382,28 @@ def test_complete_reuses_prefixes_exactly(cache):
         assert torch.equal(got.first_logits, fresh.first_logits)
     assert again.cached_tokens > 0
     assert cache.stats()["prefix"]["hit_tokens"] >= again.cached_tokens
+
+
+def test_modules_read_in_short_runs_match_one_forward(tokenizer):
+    """A unit longer than the encoder's ``run_tokens`` is read in runs over the rows before it:
+    its blocks equal one forward's to fp32 rounding, and cached answers still match the oracle.
+    The buffer is NaN-poisoned first, so a run reading a row not yet written cannot pass."""
+    model = tiny_llama(len(tokenizer), seed=3)
+    whole = PromptCache(model, tokenizer, placement="schema")
+    runs = PromptCache(model, tokenizer, placement="schema")
+    runs.encoder.run_tokens = 3
+    runs.encoder.buffer.ensure_capacity(256)
+    runs.encoder.buffer.poison_()
+    a, b = whole.add_schema(SCHEMA), runs.add_schema(SCHEMA)
+    units = [(m, "") for m in a.modules] + [("fact-a", "pair"), ("fact-b", "pair")]
+    for module, scaffold in units:
+        one, split = whole.fetch_block(a, module, scaffold), runs.fetch_block(b, module, scaffold)
+        assert one.shape == split.shape and not split.isnan().any()
+        assert (one - split).abs().max().item() <= 1e-5, module
+    for name in ("everything", "scaffold-all", "nested"):
+        ref = runs.generate(PROMPTS[name], mode="reference", max_new_tokens=NEW_TOKENS)
+        got = runs.generate(PROMPTS[name], mode="cached", max_new_tokens=NEW_TOKENS)
+        assert (got.first_logits - ref.first_logits).abs().max().item() <= FP32_TOL
+        assert got.token_ids == ref.token_ids
+    whole.close()
+    runs.close()

@@ -55,7 +55,13 @@ def geometry_units(schema: Schema, geometries: tuple[str, ...] = ("schema",)) ->
 
 
 class ModuleEncoder:
-    """Encodes the modules of schemas into ``store`` under the keys ``block_key`` makes."""
+    """Encodes the modules of schemas into ``store`` under the keys ``block_key`` makes.
+
+    A unit longer than ``run_tokens`` is read in runs of that many tokens, each over the rows
+    before it (as prompts are read), so the mask is ``[run, rows]`` instead of ``[n, n]`` (4 GiB
+    in fp32 for a 32K-token module). Units whose positions repeat are read in one forward."""
+
+    run_tokens = 4096
 
     def __init__(self, adapter: ModelAdapter, store: TieredStore, layout: KVLayout, *, dtype: torch.dtype,
                  device: torch.device, block_key: Callable[..., BlockKey],
@@ -149,8 +155,12 @@ class ModuleEncoder:
             buf.row_pos[ctx_rows:total] = positions
             buf.row_bias[:total] = 0
             ids = torch.tensor([[t for _, t, _ in own]], dtype=torch.long, device=self.device)
-            self.cache.prepare(rows=None, start=ctx_rows, extent=total)
-            self.adapter.forward(ids, positions[None], buf.attention(positions, total), self.cache)
+            step = self.run_tokens if bool((positions[1:] > positions[:-1]).all()) else len(own)
+            for first in range(0, len(own), step):
+                last = min(first + step, len(own))
+                self.cache.prepare(rows=None, start=ctx_rows + first, extent=ctx_rows + last)
+                self.adapter.forward(ids[:, first:last], positions[None, first:last],
+                                     buf.attention(positions[first:last], ctx_rows + last), self.cache)
             buf.invalidate_rows(ctx_rows, total)
         offset = ctx_rows
         encoded = {}
