@@ -155,7 +155,8 @@ class ModuleEncoder:
             buf.row_pos[ctx_rows:total] = positions
             buf.row_bias[:total] = 0
             ids = torch.tensor([[t for _, t, _ in own]], dtype=torch.long, device=self.device)
-            step = self.run_tokens if bool((positions[1:] > positions[:-1]).all()) else len(own)
+            increasing = len(own) > self.run_tokens and bool((positions[1:] > positions[:-1]).all())
+            step = self.run_tokens if increasing else len(own)
             for first in range(0, len(own), step):
                 last = min(first + step, len(own))
                 self.cache.prepare(rows=None, start=ctx_rows + first, extent=ctx_rows + last)
