@@ -5,13 +5,14 @@ which stale tokens to recompute."""
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
 
-from pckernels.pml.model import ResolvedPrompt, Schema
-from pckernels.pml.placement import encoded_positions
+from pckernels.pml.model import ResolvedPrompt, Schema, ShiftRuns
+from pckernels.pml.placement import encoded_shift
 
 
 def scaffold_variants(prompt: ResolvedPrompt) -> dict[str, str]:
@@ -39,66 +40,121 @@ TokenRef = tuple[str, int]
 RECOMPUTE_POLICIES = ("first", "deviation", "epic")
 
 
-def _own_index(prompt: ResolvedPrompt, module: str) -> dict[int, int]:
-    """``position -> index`` of a module's own tokens where ``prompt`` places them."""
-    return {p: i for i, p in enumerate(prompt.own_positions(module))}
+IndexRuns = list[tuple[int, int]]
+"""Runs ``(first, stop)`` of a module's own-token indices, in order."""
 
 
-def block_shifts(prompt: ResolvedPrompt, module: str, scaffold: str = "") -> list[int]:
-    """Per own token of ``module``: its position in ``prompt`` minus the position it was encoded
-    at (in the encoding the prompt reads it from); all 0 at schema placement."""
+def block_shift_runs(prompt: ResolvedPrompt, module: str, scaffold: str = "") -> ShiftRuns:
+    """Runs ``(first, stop, delta)`` covering ``module``'s own tokens: each token's position in
+    ``prompt`` minus the position it was encoded at (in the encoding the prompt reads it from); one
+    run per rigid move (a non-root module moves whole), all 0 at schema placement."""
     if prompt.placement == "schema":
-        return [0] * len(prompt.schema.modules[module].token_ids)
-    encoded = encoded_positions(prompt.schema, module, prompt.geometry_of(module), scaffold)
-    return [p - e for p, e in zip(prompt.own_positions(module), encoded)]
-
-
-def shift_runs(shifts: list[int]) -> tuple[tuple[int, int, int], ...]:
-    """Runs ``(first, stop, shift)`` of equal shifts over own-token indices; ``()`` when all are 0."""
-    if not any(shifts):
-        return ()
+        n = len(prompt.schema.modules[module].token_ids)
+        return ((0, n, 0),) if n else ()
+    encoded = encoded_shift(prompt.schema, module, prompt.geometry_of(module), scaffold)
     runs: list[tuple[int, int, int]] = []
-    for i, shift in enumerate(shifts):
-        if runs and runs[-1][2] == shift:
-            runs[-1] = (runs[-1][0], i + 1, shift)
-        else:
-            runs.append((i, i + 1, shift))
+    for first, stop, shift in prompt.own_shifts(module):
+        delta = shift - encoded
+        if runs and runs[-1][1] == first and runs[-1][2] == delta:
+            runs[-1] = (runs[-1][0], stop, delta)
+        elif stop > first:
+            runs.append((first, stop, delta))
     return tuple(runs)
 
 
-def _moved_tokens(prompt: ResolvedPrompt, variants: dict[str, str]) -> set[TokenRef]:
-    """Cached tokens whose encoding context sits at another distance in ``prompt``: some token of
-    their scope they attended while encoded (at an earlier-or-equal encoded position) moved by a
-    different shift. A module moved whole keeps its own and its ancestors-within-the-unit's
-    distances (re-rotation is exact for them); the anonymous text before it may not."""
+def moving(runs: ShiftRuns) -> ShiftRuns:
+    """``runs`` when some token moves, else ``()`` (what :attr:`BlockRef.shifts` holds)."""
+    return runs if any(delta for _, _, delta in runs) else ()
+
+
+def _moved_runs(prompt: ResolvedPrompt, variants: dict[str, str]) -> dict[str, IndexRuns]:
+    """``module -> runs`` of its cached tokens whose encoding context sits at another distance in
+    ``prompt``: some token of their scope they attended while encoded (at an earlier-or-equal encoded
+    position) moved by a different shift. A module moved whole keeps its own and its
+    ancestors-within-the-unit's distances (re-rotation is exact for them); the anonymous text before
+    it may not. Within a run of one shift the moved tokens are a suffix (encoded positions grow with
+    the index), so this costs a few bisections per run, not a pass over the tokens."""
     if prompt.placement == "schema":
-        return set()
+        return {}
     schema = prompt.schema
     imported = set(prompt.modules)
-    firsts: dict[str, dict[int, int]] = {}
-    """module -> shift -> the earliest encoded position of its tokens moved by another shift."""
-    encoded: dict[str, tuple[int, ...]] = {}
-    shifts: dict[str, list[int]] = {}
+    blocks: dict[str, tuple[ShiftRuns, int]] = {}
+    """module -> (its delta runs, the shift from its schema positions to its encoded ones)."""
     for name in prompt.modules:
-        if not schema.modules[name].cached:
-            continue
-        scaffold = variants.get(name, "")
-        encoded[name] = encoded_positions(schema, name, prompt.geometry_of(name), scaffold)
-        shifts[name] = block_shifts(prompt, name, scaffold)
-        firsts[name] = {}
-    moved: set[TokenRef] = set()
-    for name, positions in encoded.items():
-        scope = [m for m in module_scope(schema, name, variants.get(name, "")) if m in imported and m in encoded]
-        for index, (position, shift) in enumerate(zip(positions, shifts[name])):
+        if schema.modules[name].cached:
+            scaffold = variants.get(name, "")
+            blocks[name] = (block_shift_runs(prompt, name, scaffold),
+                            encoded_shift(schema, name, prompt.geometry_of(name), scaffold))
+    firsts: dict[tuple[str, int], int] = {}
+
+    def first_moved_otherwise(other: str, delta: int) -> int:
+        """The earliest encoded position of ``other``'s tokens moved by another delta (-1: none)."""
+        if (other, delta) not in firsts:
+            runs, encoded = blocks[other]
+            first = next((f for f, _, d in runs if d != delta), None)
+            firsts[other, delta] = -1 if first is None else schema.modules[other].position_ids[first] + encoded
+        return firsts[other, delta]
+
+    moved: dict[str, IndexRuns] = {}
+    for name, (runs, encoded) in blocks.items():
+        scope = [m for m in module_scope(schema, name, variants.get(name, "")) if m in imported and m in blocks]
+        positions = schema.modules[name].position_ids
+        out: IndexRuns = []
+        for first, stop, delta in runs:
+            start = stop
             for other in scope:
-                if shift not in firsts[other]:
-                    firsts[other][shift] = min((e for e, s in zip(encoded[other], shifts[other]) if s != shift),
-                                               default=-1)
-                first = firsts[other][shift]
-                if 0 <= first <= position:
-                    moved.add((name, index))
-                    break
+                position = first_moved_otherwise(other, delta)
+                if position >= 0:
+                    start = min(start, bisect_left(positions, position - encoded, first, stop))
+            if start < stop:
+                out.append((start, stop))
+        if out:
+            moved[name] = out
     return moved
+
+
+def _moved_tokens(prompt: ResolvedPrompt, variants: dict[str, str]) -> set[TokenRef]:
+    """The tokens of :func:`_moved_runs`, one by one."""
+    return {(name, i) for name, runs in _moved_runs(prompt, variants).items() for a, b in runs for i in range(a, b)}
+
+
+def _first_in(runs: IndexRuns, first: int, stop: int) -> int:
+    """The first index of ``first .. stop - 1`` inside ``runs`` (``stop`` when none is)."""
+    for a, b in runs:
+        if b > first and a < stop:
+            return max(a, first)
+    return stop
+
+
+def stale_runs(prompt: ResolvedPrompt) -> list[tuple[str, int, int]]:
+    """:func:`stale_tokens` as runs ``(module, first, stop)`` of own-token indices, in position order.
+
+    Within a cached segment the rule is decided at its first token and at its first moved token:
+    once a token of a module is stale, every later token of its scope is."""
+    schema = prompt.schema
+    variants = scaffold_variants(prompt)
+    moved = _moved_runs(prompt, variants)
+    seen: set[str | None] = set()
+    stale_owners: set[str] = set()
+    stale: list[tuple[str, int, int]] = []
+    for seg in prompt.segments:
+        if seg.kind == "slot":
+            continue
+        if seg.kind != "cached":
+            seen.add(None)
+            continue
+        scope = module_scope(schema, seg.module, variants.get(seg.module, ""))
+        first = prompt.own_index(seg.module, seg.position_ids[0])
+        stop = first + len(seg.position_ids)
+        if not seen <= scope or stale_owners & scope:
+            start = first
+        else:
+            start = _first_in(moved.get(seg.module, []), first, stop)
+        if start < stop:
+            stale.append((seg.module, start, stop))
+            stale_owners.add(seg.module)
+        seen.add(seg.module)
+    return stale
 
 
 def stale_tokens(prompt: ResolvedPrompt) -> list[TokenRef]:
@@ -108,27 +164,7 @@ def stale_tokens(prompt: ResolvedPrompt) -> list[TokenRef]:
     placement) a token of its scope it was encoded against moved by another distance. The others
     (the system prompt, the first module after it) are already exact; recomputing them changes
     nothing. Parameter placeholders are never live, so never stale."""
-    schema = prompt.schema
-    variants = scaffold_variants(prompt)
-    moved = _moved_tokens(prompt, variants)
-    seen: set[str | None] = set()
-    stale_owners: set[str] = set()
-    stale: list[TokenRef] = []
-    for seg in prompt.segments:
-        if seg.kind == "slot":
-            continue
-        if seg.kind != "cached":
-            seen.add(None)
-            continue
-        scope = module_scope(schema, seg.module, variants.get(seg.module, ""))
-        index = _own_index(prompt, seg.module)
-        for position in seg.position_ids:
-            ref = (seg.module, index[position])
-            if not seen <= scope or stale_owners & scope or ref in moved:
-                stale.append(ref)
-                stale_owners.add(seg.module)
-            seen.add(seg.module)
-    return stale
+    return [(module, i) for module, first, stop in stale_runs(prompt) for i in range(first, stop)]
 
 
 def last_cached_token(prompt: ResolvedPrompt) -> TokenRef | None:
@@ -143,8 +179,7 @@ def last_cached_token(prompt: ResolvedPrompt) -> TokenRef | None:
     last = max(live, key=lambda seg: seg.position_ids[-1])
     if last.kind != "cached":
         return None
-    position = last.position_ids[-1]
-    return last.module, _own_index(prompt, last.module)[position]
+    return last.module, prompt.own_index(last.module, last.position_ids[-1])
 
 
 DEFAULT_RECOMPUTE = {"compact": (8, "epic"), "schema": (0.0, "first")}
@@ -186,17 +221,27 @@ def select_recompute(prompt: ResolvedPrompt, share: float, policy: str = "first"
                              f"got {share}")
     elif not 0.0 <= share <= 1.0:
         raise ValueError(f"recompute must be a share between 0 and 1, got {share}")
-    stale = stale_tokens(prompt) if share else []
-    if not stale:
+    runs = stale_runs(prompt) if share else []
+    if not runs:
         return frozenset()
     if policy in ("first", "epic"):
-        by_module: dict[str, list[TokenRef]] = {}
-        for ref in stale:
-            by_module.setdefault(ref[0], []).append(ref)
+        by_module: dict[str, IndexRuns] = {}
+        for module, first, stop in runs:
+            by_module.setdefault(module, []).append((first, stop))
         count = (lambda n: min(n, int(share))) if policy == "epic" else (lambda n: _share_count(share, n))
-        return frozenset(ref for refs in by_module.values() for ref in refs[:count(len(refs))])
+        chosen: list[TokenRef] = []
+        for module, spans in by_module.items():
+            left = count(sum(stop - first for first, stop in spans))
+            for first, stop in spans:
+                if left <= 0:
+                    break
+                take = min(left, stop - first)
+                chosen.extend((module, i) for i in range(first, first + take))
+                left -= take
+        return frozenset(chosen)
     if scores is None:
         raise ValueError("the deviation policy needs per-token deviation scores")
+    stale = [(module, i) for module, first, stop in runs for i in range(first, stop)]
     table = scores()
     order = sorted(range(len(stale)), key=lambda i: (-float(table[stale[i][0]][stale[i][1]]), i))
     return frozenset(stale[i] for i in order[:_share_count(share, len(stale))])
@@ -239,9 +284,9 @@ def plan_reference(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = froz
     recomputed_modules = {module for module, _ in recompute}
     for seg in prompt.segments:
         if seg.kind == "cached" and seg.module in recomputed_modules:
-            own = _own_index(prompt, seg.module)
-            for token, position in zip(seg.token_ids, seg.position_ids):
-                fresh = (seg.module, own[position]) in recompute
+            first = prompt.own_index(seg.module, seg.position_ids[0])
+            for offset, (token, position) in enumerate(zip(seg.token_ids, seg.position_ids)):
+                fresh = (seg.module, first + offset) in recompute
                 tokens.append(token)
                 positions.append(position)
                 live.append(not fresh)
@@ -325,8 +370,9 @@ def plan_request(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozen
         n = len(module.token_ids)
         scaffold = variants.get(name, "")
         blocks.append(BlockRef(name, scaffold, n, tuple(sorted(hidden)), prompt.geometry_of(name),
-                               shift_runs(block_shifts(prompt, name, scaffold))))
+                               moving(block_shift_runs(prompt, name, scaffold))))
         cached_tokens += n - len(hidden)
+    wanted = {module: sorted(indices) for module, indices in recomputed.items()}
     tokens: list[int] = []
     positions: list[int] = []
     for seg in prompt.segments:
@@ -334,11 +380,11 @@ def plan_request(prompt: ResolvedPrompt, recompute: frozenset[TokenRef] = frozen
             tokens.extend(seg.token_ids)
             positions.extend(seg.position_ids)
         elif seg.kind == "cached" and seg.module in recomputed:
-            index = _own_index(prompt, seg.module)
-            for token, position in zip(seg.token_ids, seg.position_ids):
-                if index[position] in recomputed[seg.module]:
-                    tokens.append(token)
-                    positions.append(position)
+            first = prompt.own_index(seg.module, seg.position_ids[0])
+            indices = wanted[seg.module]
+            for i in indices[bisect_left(indices, first):bisect_left(indices, first + len(seg.token_ids))]:
+                tokens.append(seg.token_ids[i - first])
+                positions.append(seg.position_ids[i - first])
     if not tokens:  # the engine answers from the last computed token; callers add it (last_cached_token)
         raise ValueError("a cached request must compute at least one token")
     return RequestPlan(blocks, tokens, positions, cached_tokens)

@@ -65,7 +65,7 @@ class RequestBuilder:
             self.blocks.check_movable(resolved.locations.get(ROOT, (None, None)), "the prompt is placed compactly",
                                       resolved.label)
         limit = self.max_positions
-        last_pos = max(resolved.position_ids) if mode != "baseline" else len(resolved.token_ids) - 1
+        last_pos = resolved.last_position if mode != "baseline" else len(resolved.token_ids) - 1
         if limit is not None and last_pos + 1 >= limit:
             raise PMLPromptTooLongError(last_pos, limit)
         if mode == "baseline" and recompute:

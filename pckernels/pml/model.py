@@ -22,15 +22,20 @@ Vocabulary
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal, Mapping
+from itertools import chain
+from typing import Any, Literal, Mapping, Union
 
 ROOT = ""
 """Name of the anonymous root module."""
 
 LayoutKind = Literal["anonymous", "module", "union", "param", "scaffold"]
 SegmentKind = Literal["cached", "slot", "argument", "text"]
+ShiftRuns = tuple[tuple[int, int, int], ...]
+"""Runs ``(first, stop, shift)`` over a module's own-token indices: tokens ``first .. stop - 1`` sit
+``shift`` positions after their schema positions."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,58 @@ class Module:
             parent = modules[parent].parent
         return tuple(out)
 
+    # What follows is derived from the module's tokens once, on first use, and kept on the module
+    # (a schema replaced by a new version brings new modules): prompts and plans read it instead of
+    # walking every token per request.
+
+    def index_of(self, position: int) -> int:
+        """Index into ``token_ids`` of the own token at schema ``position`` (``KeyError`` when none
+        is there); positions increase with the index."""
+        positions = self.position_ids
+        index = bisect_left(positions, position)
+        if index == len(positions) or positions[index] != position:
+            raise KeyError(position)
+        return index
+
+    @cached_property
+    def position_runs(self) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` schema position ranges of the own tokens' consecutive runs."""
+        runs: list[tuple[int, int]] = []
+        first = 0
+        positions = self.position_ids
+        for index in range(1, len(positions) + 1):
+            if index == len(positions) or positions[index] != positions[index - 1] + 1:
+                runs.append((positions[first], positions[index - 1] + 1))
+                first = index
+        return tuple(runs)
+
+    @cached_property
+    def pieces(self) -> tuple[Union["Segment", Param], ...]:
+        """The module as a prompt imports it, in order: its own tokens as segments split at parameter
+        slots and position gaps (``cached`` runs and ``slot`` placeholders; ``text`` runs and no slots
+        for an uncached module), and after each slot the :class:`Param` whose argument goes there."""
+        out: list[Segment | Param] = []
+        kind = "cached" if self.cached else "text"
+        tokens, positions = self.token_ids, self.position_ids
+        bounds = {p.offset: p for p in self.params}
+        index = 0
+        while index < len(tokens):
+            param = bounds.get(index)
+            if param is not None:
+                end = index + param.length
+                if self.cached:
+                    out.append(Segment("slot", tokens[index:end], positions[index:end], module=self.name,
+                                       param=param.name))
+                out.append(param)
+                index = end
+                continue
+            stop = index + 1
+            while stop < len(tokens) and stop not in bounds and positions[stop] == positions[stop - 1] + 1:
+                stop += 1
+            out.append(Segment(kind, tokens[index:stop], positions[index:stop], module=self.name))
+            index = stop
+        return tuple(out)
+
 
 @dataclass(frozen=True)
 class Scaffold:
@@ -131,6 +188,16 @@ class Schema:
     ``placement=``, else the default the parser was given (an engine's: compact where it can)."""
     location: tuple[int | None, int | None] = (None, None)
     """``(line, column)`` of the ``<schema>`` tag, to locate errors about the schema as a whole."""
+    _counting: tuple[int, ...] = field(default=(), init=False, repr=False)
+
+    def position_range(self, start: int, stop: int) -> tuple[int, ...]:
+        """``tuple(range(start, stop))`` as a slice of one tuple the schema keeps (grown on demand), so
+        the positions of a moved run of tokens are not new integers per request."""
+        counting = self._counting
+        if len(counting) < stop:
+            counting = tuple(range(max(stop, min(2 * len(counting), 2 * stop))))
+            self._counting = counting
+        return counting[start:stop]
 
 
 @dataclass(frozen=True)
@@ -174,15 +241,44 @@ class ResolvedPrompt:
     label: str | None = None
     placement: str = "schema"
     """``"schema"``: every token at its schema position; ``"compact"``: laid out contiguously in
-    the prompt's order (``pckernels.pml.placement``), then ``module_positions`` and ``geometry``
+    the prompt's order (``pckernels.pml.placement``), then ``module_shifts`` and ``geometry``
     say where each imported module's own tokens sit and which encoding of its block it reads."""
-    module_positions: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    module_shifts: dict[str, ShiftRuns] = field(default_factory=dict)
+    """``module -> runs (first, stop, shift)`` covering its own tokens (compact placement; none at
+    schema placement): where the prompt puts them relative to their schema positions."""
     geometry: dict[str, str] = field(default_factory=dict)
+
+    def own_shifts(self, module: str) -> ShiftRuns:
+        """Runs ``(first, stop, shift)`` covering ``module``'s own tokens (slots included): each
+        token's prompt position minus its schema position; one run of 0 unless placed compactly."""
+        runs = self.module_shifts.get(module)
+        if runs is None:
+            n = len(self.schema.modules[module].token_ids)
+            return ((0, n, 0),) if n else ()
+        return runs
 
     def own_positions(self, module: str) -> tuple[int, ...]:
         """Prompt positions of ``module``'s own tokens (slots included): its schema positions
-        unless the prompt is laid out compactly."""
-        return self.module_positions.get(module) or self.schema.modules[module].position_ids
+        unless the prompt is laid out compactly. (Built per call: planning uses :meth:`own_shifts`.)"""
+        positions = self.schema.modules[module].position_ids
+        if module not in self.module_shifts:
+            return positions
+        return tuple(p + shift for first, stop, shift in self.module_shifts[module] for p in positions[first:stop])
+
+    def own_index(self, module: str, position: int) -> int:
+        """Index into ``module``'s own tokens of the one this prompt puts at ``position`` (``KeyError``
+        when none is there)."""
+        mod = self.schema.modules[module]
+        for first, stop, shift in self.own_shifts(module):
+            index = bisect_left(mod.position_ids, position - shift, first, stop)
+            if index < stop and mod.position_ids[index] == position - shift:
+                return index
+        raise KeyError(position)
+
+    @cached_property
+    def module_positions(self) -> dict[str, tuple[int, ...]]:
+        """``module -> own positions`` of every compactly placed module (empty at schema placement)."""
+        return {name: self.own_positions(name) for name in self.module_shifts}
 
     def geometry_of(self, module: str) -> str:
         """The encoding of ``module``'s block this prompt reads: ``"schema"`` or ``"packed"``."""
@@ -195,12 +291,17 @@ class ResolvedPrompt:
     @cached_property
     def token_ids(self) -> tuple[int, ...]:
         """Token ids of the live prompt, in position order."""
-        return tuple(t for s in self.live_segments() for t in s.token_ids)
+        return tuple(chain.from_iterable(s.token_ids for s in self.live_segments()))
 
     @cached_property
     def position_ids(self) -> tuple[int, ...]:
         """Schema positions of ``token_ids``."""
-        return tuple(p for s in self.live_segments() for p in s.position_ids)
+        return tuple(chain.from_iterable(s.position_ids for s in self.live_segments()))
+
+    @property
+    def last_position(self) -> int:
+        """The highest position of a live token (-1 when there is none)."""
+        return max((s.position_ids[-1] for s in self.live_segments() if s.position_ids), default=-1)
 
     @property
     def uncached_segments(self) -> tuple[Segment, ...]:

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from pckernels.pml.model import ROOT, Schema, Segment
+from pckernels.pml.model import ROOT, Schema, Segment, ShiftRuns
 
 PLACEMENTS = ("schema", "compact")
 GEOMETRIES = ("schema", "packed")
@@ -76,36 +77,207 @@ def packed_shift(schema: Schema, module: str, scaffold: str = "") -> int:
     return first - start
 
 
+def encoded_shift(schema: Schema, module: str, geometry: str = "schema", scaffold: str = "") -> int:
+    """Shift from ``module``'s schema positions to those of its ``geometry`` encoding (one for all of
+    its own tokens)."""
+    return 0 if geometry == "schema" else packed_shift(schema, module, scaffold)
+
+
 def encoded_positions(schema: Schema, module: str, geometry: str = "schema", scaffold: str = "") -> tuple[int, ...]:
     """Positions of ``module``'s own tokens in its ``geometry`` encoding."""
     positions = schema.modules[module].position_ids
-    if geometry == "schema":
-        return positions
-    shift = packed_shift(schema, module, scaffold)
-    return tuple(p + shift for p in positions)
+    shift = encoded_shift(schema, module, geometry, scaffold)
+    return tuple(p + shift for p in positions) if shift else positions
 
 
 @dataclass
 class Layout:
-    """A compact layout: ``segments`` sorted by position, ``positions[module]`` the prompt
-    positions of each imported module's own tokens, ``geometry[module]`` the encoding it is read
-    from, and ``end`` the first position after the prompt."""
+    """A compact layout: ``segments`` sorted by position, ``shifts[module]`` where each imported
+    module's own tokens sit (runs ``(first, stop, shift)`` over its own-token indices: prompt position
+    minus schema position), ``geometry[module]`` the encoding it is read from, and ``end`` the first
+    position after the prompt."""
 
     segments: list[Segment]
-    positions: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    shifts: dict[str, ShiftRuns] = field(default_factory=dict)
     geometry: dict[str, str] = field(default_factory=dict)
     end: int = 0
 
 
 @dataclass
 class _Unit:
+    """What moves with one shift: ``modules`` (a top-level module, or a top-level scaffold's members)
+    spanning schema positions ``start .. end - 1``; ``rank`` the first place in the prompt's import
+    order of anything in it; ``imported`` the imported modules inside it; ``segments`` their segments
+    and ``texts`` the text written after its imports."""
+
     modules: list[str]
     start: int
     end: int
     rank: int
     scaffold: str = ""
+    imported: list[str] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     texts: list[Segment] = field(default_factory=list)
+
+
+class _Units(NamedTuple):
+    """The prompt's units: ``of[module]`` the unit an imported module moves with; ``in_schema`` in
+    schema order (the places to fill), ``in_prompt`` in the prompt's import order (what fills them)."""
+
+    of: dict[str, _Unit]
+    in_schema: list[_Unit]
+    in_prompt: list[_Unit]
+
+
+class _Routed(NamedTuple):
+    """The segments no unit carries: the root's runs (schema order) and the text written before any
+    import."""
+
+    root: list[Segment]
+    head: list[Segment]
+
+
+class _RootRun(NamedTuple):
+    """A run of anonymous text, at schema position ``position``: it keeps its place between units."""
+
+    position: int
+    segment: Segment
+
+
+class _Place(NamedTuple):
+    """The ``index``-th place (schema order) a unit takes in the schema, at ``position``: filled by
+    the ``index``-th unit in the prompt's order."""
+
+    position: int
+    index: int
+
+
+def _units(schema: Schema, imported: list[str], scaffolds: tuple[str, ...], order: list[str]) -> _Units:
+    """Group the imported modules into units (top-level scaffolds whose joint states apply first),
+    each ranked by its first import in ``order``."""
+    modules = schema.modules
+    of: dict[str, _Unit] = {}
+    units: list[_Unit] = []
+    never = len(order)
+    rank = {name: i for i, name in reversed(list(enumerate(order)))}
+    for name in scaffolds:
+        members = top_scaffold_members(schema, name)
+        if members:
+            start, end = unit_span(schema, members[0], name)
+            unit = _Unit(list(members), start, end, min(rank.get(m, never) for m in members), name)
+            units.append(unit)
+            of.update((m, unit) for m in members)
+    for name in imported:
+        if name == ROOT:
+            continue
+        top = top_module(schema, name)
+        unit = of.get(top)
+        if unit is None:
+            mod = modules[top]
+            unit = _Unit([top], mod.start, mod.start + mod.length, never)
+            units.append(unit)
+            of[top] = unit
+        of[name] = unit
+        unit.imported.append(name)
+        unit.rank = min(unit.rank, rank.get(name, never))
+    return _Units(of, sorted(units, key=lambda u: u.start), sorted(units, key=lambda u: (u.rank, u.start)))
+
+
+def _route(units: _Units, module_segments: list[Segment], texts: list[tuple[str | None, Segment]]) -> _Routed:
+    """Hand each module segment to its unit and each text to the unit of the import written before it;
+    what is left is the root's and the text before any import."""
+    root: list[Segment] = []
+    for seg in module_segments:
+        (root if seg.module == ROOT else units.of[seg.module].segments).append(seg)
+    head: list[Segment] = []
+    for after, seg in texts:
+        (head if after is None else units.of[after].texts).append(seg)
+    return _Routed(root, head)
+
+
+def _events(root: list[Segment], units: _Units) -> list[_RootRun | _Place]:
+    """Root runs and unit places in schema order (a root run first where both start at one position)."""
+    events: list[_RootRun | _Place] = [_RootRun(seg.position_ids[0], seg) for seg in root]
+    events += [_Place(unit.start, i) for i, unit in enumerate(units.in_schema)]
+    return sorted(events, key=lambda e: (e.position, isinstance(e, _Place)))
+
+
+class _Placer:
+    """Lays segments out one after another from position 0: the cursor is the next free position."""
+
+    def __init__(self, schema: Schema, head: list[Segment]) -> None:
+        self.schema = schema
+        self.head = head
+        """Text written before any import: placed just before the first unit (or after everything)."""
+        self.layout = Layout([])
+        self.cursor = 0
+        self.root_shifts: list[tuple[int, int, int]] = []
+        self.last_root: tuple[int, int] | None = None
+        """``(schema position, prompt position)`` of the last anonymous token placed."""
+
+    def _moved(self, positions: tuple[int, ...], shift: int) -> tuple[int, ...]:
+        if not shift or not positions:
+            return positions
+        first, n = positions[0] + shift, len(positions)
+        if positions[-1] - positions[0] == n - 1:  # a run (every segment is one)
+            return self.schema.position_range(first, first + n)
+        return tuple(p + shift for p in positions)
+
+    def text(self, seg: Segment) -> None:
+        """Uncached text at the cursor."""
+        n = len(seg.token_ids)
+        if n:
+            self.layout.segments.append(Segment("text", seg.token_ids, self.schema.position_range(self.cursor,
+                                                                                                  self.cursor + n),
+                                                module=seg.module, param=seg.param))
+            self.cursor += n
+
+    def root_run(self, seg: Segment) -> None:
+        """A run of anonymous text at the cursor."""
+        position, n = seg.position_ids[0], len(seg.token_ids)
+        shift = self.cursor - position
+        self.layout.segments.append(Segment(seg.kind, seg.token_ids, self._moved(seg.position_ids, shift),
+                                            module=ROOT))
+        first = self.schema.modules[ROOT].index_of(position)
+        runs = self.root_shifts
+        if runs and runs[-1][1] == first and runs[-1][2] == shift:
+            runs[-1] = (runs[-1][0], first + n, shift)
+        else:
+            runs.append((first, first + n, shift))
+        self.last_root = (seg.position_ids[-1], self.cursor + n - 1)
+        self.cursor += n
+
+    def place_head(self) -> None:
+        """The text written before any import, at the cursor (once)."""
+        for seg in self.head:
+            self.text(seg)
+        self.head = []
+
+    def unit(self, unit: _Unit) -> None:
+        """A unit moved whole to the cursor, reading the encoding nearest its new distance to the
+        anonymous text before it, then the text written after its imports."""
+        self.place_head()
+        shift = self.cursor - unit.start
+        for seg in unit.segments:
+            self.layout.segments.append(seg if not shift else Segment(
+                seg.kind, seg.token_ids, self._moved(seg.position_ids, shift), module=seg.module, param=seg.param))
+        geometry = _nearest_geometry(self.schema, unit.start, self.cursor, self.last_root)
+        for name in unit.imported:
+            n = len(self.schema.modules[name].token_ids)
+            self.layout.shifts[name] = ((0, n, shift),) if n else ()
+            self.layout.geometry[name] = geometry
+        self.cursor += unit.end - unit.start
+        for seg in unit.texts:
+            self.text(seg)
+
+    def finish(self) -> Layout:
+        layout = self.layout
+        layout.shifts[ROOT] = tuple(self.root_shifts)
+        layout.geometry[ROOT] = "schema"
+        layout.segments.sort(key=lambda s: (s.position_ids[0] if s.position_ids else self.cursor,
+                                            s.kind == "argument"))
+        layout.end = self.cursor
+        return layout
 
 
 def compact_layout(schema: Schema, imported: list[str], scaffolds: tuple[str, ...], module_segments: list[Segment],
@@ -118,97 +290,18 @@ def compact_layout(schema: Schema, imported: list[str], scaffolds: tuple[str, ..
     ``trailing``: text after the last import; ``order``: modules in the order the prompt imports
     them. Text segments come with any positions (they are replaced).
     """
-    modules = schema.modules
-    unit_of: dict[str, _Unit] = {}
-    units: list[_Unit] = []
-    rank = {name: i for i, name in reversed(list(enumerate(order)))}
-    for name in scaffolds:
-        members = top_scaffold_members(schema, name)
-        if members:
-            start, end = unit_span(schema, members[0], name)
-            unit = _Unit(list(members), start, end, min(rank.get(m, len(order)) for m in members), name)
-            units.append(unit)
-            unit_of.update((m, unit) for m in members)
-    for name in imported:
-        if name == ROOT:
-            continue
-        top = top_module(schema, name)
-        unit = unit_of.get(top)
-        if unit is None:
-            mod = modules[top]
-            unit = _Unit([top], mod.start, mod.start + mod.length, len(order))
-            units.append(unit)
-            unit_of[top] = unit
-        unit_of[name] = unit
-        unit.rank = min(unit.rank, rank.get(name, len(order)))
-    root_segments = []
-    for seg in module_segments:
-        if seg.module == ROOT:
-            root_segments.append(seg)
+    units = _units(schema, imported, scaffolds, order)
+    routed = _route(units, module_segments, texts)
+    placer = _Placer(schema, routed.head)
+    for event in _events(routed.root, units):
+        if isinstance(event, _RootRun):
+            placer.root_run(event.segment)
         else:
-            unit_of[seg.module].segments.append(seg)
-    head: list[Segment] = []
-    for after, seg in texts:
-        (head if after is None else unit_of[after].texts).append(seg)
-
-    slots = sorted(units, key=lambda u: u.start)
-    filled = sorted(units, key=lambda u: (u.rank, u.start))
-    events = sorted([(seg.position_ids[0], 0, seg) for seg in root_segments]
-                    + [(u.start, 1, i) for i, u in enumerate(slots)], key=lambda e: (e[0], e[1]))
-    layout = Layout([])
-    shifts: dict[int, int] = {}
-    cursor = 0
-    root_rows: list[tuple[int, int]] = []
-    """(schema position of a root run's last token, its prompt position), in schema order."""
-
-    def text(seg: Segment) -> None:
-        nonlocal cursor
-        if not seg.token_ids:
-            return
-        layout.segments.append(Segment("text", seg.token_ids, tuple(range(cursor, cursor + len(seg.token_ids))),
-                                       module=seg.module, param=seg.param))
-        cursor += len(seg.token_ids)
-
-    placed_head = False
-    for position, kind, item in events:
-        if kind == 0:
-            n = len(item.token_ids)
-            shift = cursor - position
-            for p in item.position_ids:
-                shifts[p] = shift
-            layout.segments.append(Segment(item.kind, item.token_ids, tuple(range(cursor, cursor + n)),
-                                           module=ROOT))
-            root_rows.append((item.position_ids[-1], cursor + n - 1))
-            cursor += n
-            continue
-        if not placed_head:
-            for seg in head:
-                text(seg)
-            placed_head = True
-        unit = filled[item]
-        shift = cursor - unit.start
-        for seg in unit.segments:
-            layout.segments.append(Segment(seg.kind, seg.token_ids, tuple(p + shift for p in seg.position_ids),
-                                           module=seg.module, param=seg.param))
-        geometry = _nearest_geometry(schema, unit.start, cursor, root_rows[-1] if root_rows else None)
-        for name in imported:
-            if name != ROOT and unit_of[name] is unit:
-                layout.positions[name] = tuple(p + shift for p in modules[name].position_ids)
-                layout.geometry[name] = geometry
-        cursor += unit.end - unit.start
-        for seg in unit.texts:
-            text(seg)
-    if not placed_head:
-        for seg in head:
-            text(seg)
+            placer.unit(units.in_prompt[event.index])
+    placer.place_head()
     for seg in trailing:
-        text(seg)
-    root = modules[ROOT]
-    layout.positions[ROOT] = tuple(p + shifts[p] for p in root.position_ids)
-    layout.geometry[ROOT] = "schema"
-    layout.segments.sort(key=lambda s: (s.position_ids[0] if s.position_ids else cursor, s.kind == "argument"))
-    layout.end = cursor
-    return layout
+        placer.text(seg)
+    return placer.finish()
 
 
 def _nearest_geometry(schema: Schema, start: int, at: int, last_root: tuple[int, int] | None) -> str:

@@ -24,42 +24,18 @@ from pckernels.pml.tokens import encode_batch
 
 def _module_segments(module: Module, arguments: dict[tuple[str, str], tuple[int, ...]]
                      ) -> list[Segment]:
-    """Cached runs, slots and arguments of one imported module. An uncached module
-    (``cache="false"``) gives ``text`` runs and its arguments, and no slots: nothing cached
-    needs placeholders."""
+    """Cached runs, slots and arguments of one imported module (its ``pieces``, made once per module,
+    with this prompt's arguments after their slots). An uncached module (``cache="false"``) gives
+    ``text`` runs and its arguments, and no slots: nothing cached needs placeholders."""
     out: list[Segment] = []
-    slots = {p.offset: p for p in module.params}
-    tokens, positions = module.token_ids, module.position_ids
-    kind = "cached" if module.cached else "text"
-    run_start = 0
-
-    def flush(end: int) -> None:
-        if end > run_start:
-            out.append(Segment(kind, tokens[run_start:end], positions[run_start:end],
-                               module=module.name))
-
-    index = 0
-    while index < len(tokens):
-        param = slots.get(index)
-        if param is not None:
-            flush(index)
-            end = index + param.length
-            if module.cached:
-                out.append(Segment("slot", tokens[index:end], positions[index:end],
-                                   module=module.name, param=param.name))
-            argument = arguments[(module.name, param.name)]
-            if argument:
-                out.append(Segment("argument", argument,
-                                   tuple(range(param.start, param.start + len(argument))),
-                                   module=module.name, param=param.name))
-            index = end
-            run_start = index
+    for piece in module.pieces:
+        if isinstance(piece, Segment):
+            out.append(piece)
             continue
-        if index > run_start and positions[index] != positions[index - 1] + 1:
-            flush(index)
-            run_start = index
-        index += 1
-    flush(len(tokens))
+        argument = arguments[(module.name, piece.name)]
+        if argument:
+            out.append(Segment("argument", argument, tuple(range(piece.start, piece.start + len(argument))),
+                               module=module.name, param=piece.name))
     return out
 
 
@@ -132,7 +108,7 @@ def parse_prompt(text: str | bytes, schemas: Mapping[str, Schema] | Schema, *,
     if placement == "compact":
         layout = compact_placement(source, schema, imported, scaffolds, module_segments, reader.stream, imports, limits)
         segments = layout.segments
-        extra = {"placement": "compact", "module_positions": layout.positions, "geometry": layout.geometry}
+        extra = {"placement": "compact", "module_shifts": layout.shifts, "geometry": layout.geometry}
     else:
         segments = schema_placement(source, schema, imported, reader.stream, limits) + module_segments
         segments.sort(key=lambda s: (s.position_ids[0], s.kind == "argument"))

@@ -20,20 +20,9 @@ import bisect
 from typing import Any
 
 from pckernels.pml.document import Limits, Source
-from pckernels.pml.model import ROOT, Module, Schema, Segment
+from pckernels.pml.model import ROOT, Schema, Segment
 from pckernels.pml.placement import Layout, compact_layout
 from pckernels.pml.prompt_reader import Import, TextRun, flatten_import
-
-
-def _runs(module: Module) -> list[tuple[int, int]]:
-    """Contiguous position runs of a module's own tokens, as (start, end)."""
-    runs: list[tuple[int, int]] = []
-    for position in module.position_ids:
-        if runs and runs[-1][1] == position:
-            runs[-1] = (runs[-1][0], position + 1)
-        else:
-            runs.append((position, position + 1))
-    return runs
 
 
 _PLACED = "@text"
@@ -50,7 +39,7 @@ class _Placer:
         self.limits = limits
         occupied: list[tuple[int, int, str]] = []
         for name in imported:
-            for start, end in _runs(schema.modules[name]):
+            for start, end in schema.modules[name].position_runs:
                 occupied.append((start, end, name))
         occupied.sort()
         self.occupied = occupied
