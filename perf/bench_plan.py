@@ -4,13 +4,14 @@ the number of cached tokens a prompt imports (issue 41: planning flat in cached 
 ``python -m perf.bench_plan`` (embedded SmolLM2): per ``--tokens`` size a schema whose union holds
 a module of that many tokens and one as long with a parameter slot in its middle, installed once; then, per
 size, ``request()`` timed as the median of ``--repeat`` calls for four prompts: compact and schema
-placement, with and without a parameter argument. ``--profile`` adds a cProfile of the compact
-case at the largest size (the heaviest functions by own time).
+placement, with and without a parameter argument. ``--profile`` adds a cProfile of one case
+(``--profile-case``) at the largest size: the heaviest functions by own time.
 
 ``--base PATH`` runs the same measurement in two fresh interpreters, one with ``PYTHONPATH=PATH``
 (e.g. a checkout of main) and one with this tree, interleaved over ``--rounds``, and prints both
-side by side with the ratio at the largest size over the smallest. Blocks are kept in a temporary
-disk tier shared by both, so the second interpreter does not encode the modules again.
+side by side with the ratio at the largest size over the smallest. Blocks are kept in a disk tier
+shared by both (``--store DIR``, else a temporary one), so only the first interpreter encodes the
+modules (minutes on a 2-core CPU at 7.5K tokens; a kept ``--store`` skips that next time).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _schemas(tokenizer, sizes: list[int]) -> tuple[list[str], dict[str, dict[int
     return schemas, prompts
 
 
-def worker(sizes: list[int], repeat: int, store: str | None, do_profile: bool) -> dict:
+def worker(sizes: list[int], repeat: int, store: str | None, do_profile: bool, profile_case: str) -> dict:
     """Timings of this interpreter's ``pckernels`` (one JSON object)."""
     import torch
 
@@ -67,9 +68,9 @@ def worker(sizes: list[int], repeat: int, store: str | None, do_profile: bool) -
     for schema in schemas:
         cache.add_schema(schema)
     install_s = time.perf_counter() - t0
-    out: dict = {"pckernels": __import__("pckernels").__file__, "install_s": install_s, "ms": {}}
+    out: dict = {"pckernels": __import__("pckernels").__file__, "install_s": install_s, "ms": {}, "min_ms": {}}
     for case in CASES:
-        out["ms"][case] = {}
+        out["ms"][case], out["min_ms"][case] = {}, {}
         for n in sizes:
             prompt = prompts[case][n]
             cache.request(prompt)  # warm: first use of a prompt shape
@@ -79,9 +80,10 @@ def worker(sizes: list[int], repeat: int, store: str | None, do_profile: bool) -
                 cache.request(prompt)
                 times.append(time.perf_counter() - t)
             out["ms"][case][n] = 1e3 * statistics.median(times)
+            out["min_ms"][case][n] = 1e3 * min(times)
     if do_profile:
         prof = cProfile.Profile()
-        prompt = prompts["compact_param"][sizes[-1]]
+        prompt = prompts[profile_case][sizes[-1]]
         prof.enable()
         for _ in range(repeat):
             cache.request(prompt)
@@ -95,8 +97,8 @@ def worker(sizes: list[int], repeat: int, store: str | None, do_profile: bool) -
 
 
 def _run_worker(pythonpath: str, args, store: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=pythonpath)
-    cmd = [sys.executable, "-m", "perf.bench_plan", "--worker", "--repeat", str(args.repeat), "--store", store,
+    env = dict(os.environ, PYTHONPATH=pythonpath)  # this script by path: the checkout may not have it
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--repeat", str(args.repeat), "--store", store,
            "--tokens", *map(str, args.tokens)]
     done = subprocess.run(cmd, env=env, cwd=pythonpath, capture_output=True, text=True, check=False)
     if done.returncode:
@@ -108,7 +110,8 @@ def compare(args) -> dict:
     here = str(Path(__file__).resolve().parents[1])
     base = str(Path(args.base).resolve())
     runs: dict[str, list[dict]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory(prefix="bench_plan_") as store:
+    with tempfile.TemporaryDirectory(prefix="bench_plan_") as temporary:
+        store = args.store or temporary
         for _ in range(args.rounds):
             for label, path in (("before", base), ("after", here)):
                 runs[label].append(_run_worker(path, args, store))
@@ -119,7 +122,10 @@ def compare(args) -> dict:
     for label, results in runs.items():
         ms = {case: {n: statistics.median(r["ms"][case][n] for r in results) for n in results[0]["ms"][case]}
               for case in CASES}
-        report[label] = {"ms": ms, "largest_over_smallest": {c: ms[c][hi] / ms[c][lo] for c in CASES}}
+        best = {case: {n: min(r["min_ms"][case][n] for r in results) for n in results[0]["min_ms"][case]}
+                for case in CASES}
+        report[label] = {"median_ms": ms, "min_ms": best,
+                         "largest_over_smallest": {c: ms[c][hi] / ms[c][lo] for c in CASES}}
     return report
 
 
@@ -131,15 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved before/after runs (with --base)")
     ap.add_argument("--base", default=None, help="a checkout to compare against (its repository root)")
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also profile one case at the largest size")
+    ap.add_argument("--profile-case", choices=CASES, default="compact_param")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--store", default=None, help="disk tier directory for the blocks (kept between runs)")
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.tokens, args.repeat, args.store, args.profile)))
+        print(json.dumps(worker(args.tokens, args.repeat, args.store, args.profile, args.profile_case)))
         return 0
-    report = compare(args) if args.base else worker(args.tokens, args.repeat, args.store, args.profile)
+    report = compare(args) if args.base else worker(args.tokens, args.repeat, args.store, args.profile,
+                                                    args.profile_case)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out is not None:

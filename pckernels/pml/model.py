@@ -25,7 +25,6 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import chain
 from typing import Any, Literal, Mapping, Union
 
 ROOT = ""
@@ -291,12 +290,18 @@ class ResolvedPrompt:
     @cached_property
     def token_ids(self) -> tuple[int, ...]:
         """Token ids of the live prompt, in position order."""
-        return tuple(chain.from_iterable(s.token_ids for s in self.live_segments()))
+        out: list[int] = []
+        for s in self.live_segments():
+            out.extend(s.token_ids)  # a copy of references, not an iteration per token
+        return tuple(out)
 
     @cached_property
     def position_ids(self) -> tuple[int, ...]:
         """Schema positions of ``token_ids``."""
-        return tuple(chain.from_iterable(s.position_ids for s in self.live_segments()))
+        out: list[int] = []
+        for s in self.live_segments():
+            out.extend(s.position_ids)
+        return tuple(out)
 
     @property
     def last_position(self) -> int:
