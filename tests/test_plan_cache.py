@@ -3,7 +3,7 @@ request must equal what the straightforward per-token code gave (``plan_oracle``
 it) — segments, compact layout, token ids, positions, stale and moved tokens, recompute selection,
 the last cached token, block refs and new tokens, the reference mask — on the guide schema of
 ``test_engine`` and on a schema of odd shapes (size-1 modules, a parameter at a module's start and
-at its end, an empty union member, nested modules with a scaffold inside, an uncached module, a
+at its end, an empty union member, an empty module just before anonymous text, nested modules with a scaffold inside, an uncached module, a
 top-level scaffold), with prompts drawn at random, at compact and at schema placement.
 
 The per-module data lives on the schema's ``Module`` objects: a schema added again with other text
@@ -40,6 +40,7 @@ ODD = """
     <module name="seven">Seven tokens live in this module here.</module>
     <module name="x">x</module>
   </union>
+  <module name="blank"></module>
   Some anonymous text between.
   <module name="outer">Outer starts <module name="in1">inner one</module> middle <module name="in2">B</module> ends.
     <scaffold name="inner-pair"><module name="s1">S one.</module><module name="s2">S</module></scaffold>
@@ -52,6 +53,7 @@ ODD = """
 
 GROUPS = [
     ["<one/>"],
+    ["<blank/>"],
     ["<buf/>", '<buf q="hi"/>', '<buf q="ok go"/>'],
     ["<tail/>", '<tail z="k"/>'],
     ["<none/>", "<seven/>", "<x/>"],
@@ -86,6 +88,7 @@ CASES = ([("guide", p) for p in (*PROMPTS.values(), *SHUFFLED.values())]
          + [("odd", '<prompt schema="odd"><one/></prompt>'),
             ("odd", '<prompt schema="odd"><x/><one/></prompt>'),
             ("odd", '<prompt schema="odd"><tail z="k"/></prompt>'),
+            ("odd", '<prompt schema="odd"><one/><blank/> After the empty module.<seven/></prompt>'),
             ("odd", '<prompt schema="odd"><none/>Only text after an empty module.</prompt>')])
 
 
