@@ -22,6 +22,8 @@ BACKEND_ENV = "PROMPTCACHE_KERNEL_BACKEND"
 
 _counts: Counter[str] = Counter()
 _lock = threading.Lock()
+_choices: dict[tuple, bool] = {}
+"""Memo of :func:`triton_for`: written under ``_lock``, read without it (a dict read is atomic)."""
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -78,6 +80,21 @@ def use_triton(device: torch.device, backend: str) -> bool:
     if backend == "auto":
         return device.type == "cuda" and HAS_TRITON
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def triton_for(device: torch.device, backend: str | None) -> bool:
+    """:func:`use_triton` of :func:`resolve_backend`, resolved once per (device type, backend,
+    ``$PROMPTCACHE_KERNEL_BACKEND`` when ``backend`` is None, interpreter, Triton installed) and
+    then read from a memo: the ops' hot path does a dict lookup instead of re-deciding. Bad names
+    raise every time (they are never stored)."""
+    env = os.environ.get(BACKEND_ENV) if backend is None else None
+    key = (device.type, backend, env, INTERPRET, HAS_TRITON)
+    choice = _choices.get(key)
+    if choice is None:
+        choice = use_triton(device, resolve_backend(backend))
+        with _lock:
+            _choices[key] = choice
+    return choice
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:

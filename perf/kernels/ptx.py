@@ -1,0 +1,186 @@
+"""Offline PTX of the product kernels: compile each for sm_90 without a GPU and count its global
+loads and stores by width.
+
+    python -m perf.kernels.ptx            # a table per kernel
+    python -m perf.kernels.ptx --json     # ... and one JSON object on the last line
+    python -m perf.kernels.ptx --asm gather_concat --stage ptx    # print one kernel's PTX (or ttgir)
+
+Each kernel is compiled as the JIT would compile it for one representative launch (a random
+Llama-2-7B-shaped cache in bf16: L=32, H=32, D=128; gathers of 640-row blocks into an 8,192-row
+arena; a 20-token scatter): the same constexprs as the launcher picks, and the JIT's
+specialisation of the other arguments (integers equal to 1 become constants, pointers and
+integers divisible by 16 carry ``tt.divisibility``). The aligned variants appear under the op's
+name (``gather_concat``, ``gather_rotate``, ``scatter_rows``), the generic ones with
+``_generic``. ``ld.global.v4.b32`` is a 16-byte vector load, ``ld.global.b16`` a 2-byte scalar;
+``convert_layout`` says whether the Triton GPU IR moves a tensor between layouts (through shared
+memory) before a store. Counts are per thread and per program, from the PTX text (static
+instruction count, not executions).
+
+``TRITON_INTERPRET`` is cleared here: interpreted kernels cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from collections import Counter  # noqa: E402
+
+import torch  # noqa: E402
+
+ARCH = 90
+WARP = 32
+L, H, D, HALF = 32, 32, 128, 64
+CAP, BLOCK_ROWS, Q = 8192, 640, 20
+DTYPE = torch.bfloat16
+
+_ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.[\w:]+)*)")
+
+
+def offline_compiler():
+    """``(compile, ASTSource, GPUTarget, BaseBackend, specialize)`` of the installed Triton, or a
+    string saying why it cannot compile without a GPU."""
+    try:
+        import triton
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend, GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:
+        return f"this triton cannot compile offline ({exc})"
+    return triton.compile, ASTSource, GPUTarget, BaseBackend, native_specialize_impl
+
+
+def specialise(fn, args: dict, tools) -> tuple[dict, dict, dict]:
+    """``(signature, constexprs, attrs)`` for ``fn`` called with ``args`` (name -> value; tensors
+    stand for pointers: only their dtype and address alignment count), as the JIT derives them."""
+    _, _, _, backend, specialize = tools
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        name = param.name
+        value = args[name]
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+            continue
+        kind, attr = specialize(backend, value, False, True, True)[:2]
+        if kind == "constexpr":
+            signature[name] = "constexpr"
+            constexprs[name] = attr
+            continue
+        signature[name] = kind
+        if isinstance(attr, str) and attr:
+            parsed = backend.parse_attr(attr)
+            if parsed:
+                attrs[(i,)] = parsed
+    return signature, constexprs, attrs
+
+
+def compile_kernel(fn, args: dict, tools, num_warps: int = 4):
+    """The compiled kernel (``.asm`` has ``ttgir``, ``ptx``, and ``cubin`` when ptxas ran)."""
+    compile_, ast_source, gpu_target, _, _ = tools
+    signature, constexprs, attrs = specialise(fn, args, tools)
+    src = ast_source(fn, signature, constexprs=constexprs, attrs=attrs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return compile_(src, target=gpu_target("cuda", ARCH, WARP), options={"num_warps": num_warps})
+
+
+def summary(kernel) -> dict:
+    """``{"loads": {...}, "stores": {...}, "convert_layout": bool}`` of a compiled kernel."""
+    found = Counter(_ACCESS.findall(kernel.asm["ptx"]))
+    loads = {k: v for k, v in sorted(found.items()) if k.startswith("ld.")}
+    stores = {k: v for k, v in sorted(found.items()) if k.startswith("st.")}
+    return {"loads": loads, "stores": stores, "convert_layout": "convert_layout" in kernel.asm["ttgir"]}
+
+
+def ptr(dtype: torch.dtype, aligned: bool = True) -> torch.Tensor:
+    """A stand-in pointer argument: a small host tensor, 16-byte aligned or 2 bytes off."""
+    t = torch.zeros(64, dtype=dtype)
+    return t if aligned else t.view(torch.uint8)[2:2 + 16 * t.element_size()].view(dtype)
+
+
+def cases() -> dict:
+    """Kernel name -> ``(jit function, args, num_warps)`` for the representative launches."""
+    from pckernels.kernels.gather_concat import kernel as gc
+    from pckernels.kernels.gather_rotate import kernel as gr
+    from pckernels.kernels.scatter_rows import kernel as sr
+    from pckernels.kernels._triton_common import PRECISE_TRIG
+
+    bits = {2: torch.int16, 4: torch.int32}[torch.empty(0, dtype=DTYPE).element_size()]
+    vec = 16 // torch.empty(0, dtype=DTYPE).element_size()
+    itemsize = torch.empty(0, dtype=DTYPE).element_size()
+    meta = ptr(torch.int64)  # a host table travels behind the meta rows: 8 blocks, 54 values in
+    out = {}
+    for aligned, suffix in ((True, ""), (False, "_generic")):
+        _, block, block_r, block_d = gc.config(BLOCK_ROWS, D, itemsize, aligned)
+        out["gather_concat" + suffix] = (gc._gather_concat_kernel, dict(
+            out_ptr=ptr(bits), meta_ptr=meta, table_ptr=meta, table_at=6 * (1 + 8), H=H, D=D, ALIGNED=aligned, VEC=vec,
+            BLOCK=block, BLOCK_R=block_r, BLOCK_D=block_d), 4)
+        _, block_r, block_d, block_j, block_t, block_f = gr.config(BLOCK_ROWS, D, HALF, aligned)
+        out["gather_rotate" + suffix] = (gr._gather_rotate_kernel, dict(
+            out_ptr=ptr(DTYPE), bits_ptr=ptr(DTYPE), meta_ptr=meta, table_ptr=meta, table_at=6 * (1 + 8), inv_ptr=ptr(torch.float32),
+            H=H, D=D, HALF=HALF, ALIGNED=aligned, VEC=vec, PRECISE=PRECISE_TRIG, ROUND_BF16=False,
+            BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_J=block_j, BLOCK_T=block_t, BLOCK_F=block_f), 4)
+    _, block_q, block_d = sr.config(Q, 1, H, D)
+    t = dict(ko_ptr=ptr(DTYPE), vo_ptr=ptr(DTYPE), k_ptr=ptr(DTYPE), v_ptr=ptr(DTYPE), rows_ptr=ptr(torch.int64),
+             q=Q, H=H, D=D, BLOCK_Q=block_q, BLOCK_D=block_d)
+    out["scatter_rows"] = (sr._scatter_rows_aligned, dict(
+        t, so_b=0, so_h=CAP * D, so_r=D, si_b=0, si_h=D, si_r=3 * H * D, VEC=vec), 4)
+    # the generic variant as a transposed key view makes it: rows of 3 * H * D, heads of D
+    out["scatter_rows_generic"] = (sr._scatter_rows_generic, dict(
+        t, sko_b=2 * H * CAP * D, sko_h=CAP * D, sko_r=D, sko_d=1, svo_b=2 * H * CAP * D, svo_h=CAP * D, svo_r=D,
+        svo_d=1, sk_b=Q * H * D, sk_h=D, sk_r=H * D, sk_d=1, sv_b=Q * H * D, sv_h=Q * D, sv_r=D, sv_d=1), 4)
+    return out
+
+
+def run(names: list[str] | None = None) -> dict:
+    """Kernel name -> :func:`summary` for the named kernels (all when None)."""
+    tools = offline_compiler()
+    if isinstance(tools, str):
+        raise RuntimeError(tools)
+    results = {}
+    for name, (fn, args, num_warps) in cases().items():
+        if not names or name in names:
+            results[name] = summary(compile_kernel(fn, args, tools, num_warps))
+    return results
+
+
+def table(results: dict) -> str:
+    lines = [f"sm_{ARCH}, {DTYPE}, L={L} H={H} D={D}: global accesses per thread (static count in the PTX)"]
+    for name, r in results.items():
+        lines.append(f"{name}:")
+        for what in ("loads", "stores"):
+            lines.append(f"  {what:7s}" + (", ".join(f"{k} x{v}" for k, v in r[what].items()) or "-"))
+        lines.append(f"  convert_layout: {'yes' if r['convert_layout'] else 'no'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="end with one JSON object (name -> counts)")
+    ap.add_argument("--asm", metavar="KERNEL", help="print this kernel's code instead")
+    ap.add_argument("--stage", default="ptx", help="with --asm: ttir, ttgir, llir or ptx")
+    args = ap.parse_args(argv)
+    tools = offline_compiler()
+    if isinstance(tools, str):
+        print(tools, file=sys.stderr)
+        return 3
+    if args.asm:
+        fn, kargs, num_warps = cases()[args.asm]
+        print(compile_kernel(fn, kargs, tools, num_warps).asm[args.stage])
+        return 0
+    results = run()
+    print(table(results))
+    if args.json:
+        print(json.dumps(results, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
