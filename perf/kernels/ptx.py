@@ -14,7 +14,8 @@ name (``gather_concat``, ``gather_rotate``, ``scatter_rows``), the generic ones 
 ``_generic``. ``ld.global.v4.b32`` is a 16-byte vector load, ``ld.global.b16`` a 2-byte scalar;
 ``convert_layout`` says whether the Triton GPU IR moves a tensor between layouts (through shared
 memory) before a store. Counts are per thread and per program, from the PTX text (static
-instruction count, not executions).
+instruction count, not executions). The table also gives registers and spills from Triton's
+bundled ``ptxas -v`` where it runs (not in the JSON).
 
 ``TRITON_INTERPRET`` is cleared here: interpreted kernels cannot be compiled.
 """
@@ -99,6 +100,30 @@ def summary(kernel) -> dict:
     return {"loads": loads, "stores": stores, "convert_layout": "convert_layout" in kernel.asm["ttgir"]}
 
 
+def ptxas_usage(kernel) -> str:
+    """``"N registers, S bytes spilled"`` from Triton's bundled ``ptxas -v`` on the kernel's PTX,
+    or why not (text output only)."""
+    import subprocess
+    import tempfile
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(kernel.asm["ptx"])
+            log = subprocess.run([get_ptxas(ARCH).path, f"--gpu-name=sm_{ARCH}a", "-v", src, "-o", src + ".o"],
+                                 capture_output=True, text=True, timeout=120).stderr
+    except Exception as exc:  # informational only
+        return f"ptxas unavailable ({type(exc).__name__})"
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    if not regs:
+        return "ptxas gave no usage"
+    return f"{regs.group(1)} registers, {spill.group(1) if spill else '?'} bytes spilled"
+
+
 def ptr(dtype: torch.dtype, aligned: bool = True) -> torch.Tensor:
     """A stand-in pointer argument: a small host tensor, 16-byte aligned or 2 bytes off."""
     t = torch.zeros(64, dtype=dtype)
@@ -139,22 +164,26 @@ def cases() -> dict:
     return out
 
 
-def run(names: list[str] | None = None) -> dict:
-    """Kernel name -> :func:`summary` for the named kernels (all when None)."""
+def run(names: list[str] | None = None, usage: bool = False) -> tuple[dict, dict]:
+    """``(summaries, usage)``: kernel name -> :func:`summary` for the named kernels (all when
+    None), and with ``usage`` kernel name -> :func:`ptxas_usage`."""
     tools = offline_compiler()
     if isinstance(tools, str):
         raise RuntimeError(tools)
-    results = {}
+    results, used = {}, {}
     for name, (fn, args, num_warps) in cases().items():
         if not names or name in names:
-            results[name] = summary(compile_kernel(fn, args, tools, num_warps))
-    return results
+            kernel = compile_kernel(fn, args, tools, num_warps)
+            results[name] = summary(kernel)
+            if usage:
+                used[name] = ptxas_usage(kernel)
+    return results, used
 
 
-def table(results: dict) -> str:
+def table(results: dict, usage: dict | None = None) -> str:
     lines = [f"sm_{ARCH}, {DTYPE}, L={L} H={H} D={D}: global accesses per thread (static count in the PTX)"]
     for name, r in results.items():
-        lines.append(f"{name}:")
+        lines.append(f"{name}:" + (f" {usage[name]}" if usage and name in usage else ""))
         for what in ("loads", "stores"):
             lines.append(f"  {what:7s}" + (", ".join(f"{k} x{v}" for k, v in r[what].items()) or "-"))
         lines.append(f"  convert_layout: {'yes' if r['convert_layout'] else 'no'}")
@@ -175,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         fn, kargs, num_warps = cases()[args.asm]
         print(compile_kernel(fn, kargs, tools, num_warps).asm[args.stage])
         return 0
-    results = run()
-    print(table(results))
+    results, usage = run(usage=True)
+    print(table(results, usage))
     if args.json:
         print(json.dumps(results, sort_keys=True))
     return 0

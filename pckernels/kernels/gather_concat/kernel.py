@@ -39,7 +39,7 @@ from pckernels.kernels._triton_common import (
 )
 
 TABLE_W = 4
-GENERIC_TILE = 8192
+GENERIC_TILE = 4096
 
 
 @triton.jit
