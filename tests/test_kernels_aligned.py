@@ -444,5 +444,7 @@ def test_ptx_aligned_gathers_use_16_byte_vectors():
         assert not any(k.endswith((".b16", ".u16", ".s16")) for k in stores), (name, stores)
     for name in ("gather_concat", "gather_rotate"):
         assert result[name]["convert_layout"] is False
+    # a decode step's one-row scatter: one warp, so that its threads still move vectors
+    assert not any(k.endswith((".b16", ".u16", ".s16")) for k in result["scatter_rows_q1"]["loads"])
     assert result["gather_concat_generic"]["loads"].get("ld.global.b16", 0) > 0
     assert set(result) >= {"gather_concat_generic", "gather_rotate_generic", "scatter_rows_generic"}

@@ -102,6 +102,14 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 
 
+def warps_for(elements: int, itemsize: int, most: int = 4) -> int:
+    """Warps for a program moving ``elements`` of ``itemsize`` bytes: as many as give every thread
+    at least one 16-byte vector (a power of two, 1 .. ``most``). Four warps over a decode-sized
+    tile would leave each thread a scalar or nothing, and no vector access."""
+    fit = max(1, elements * itemsize // (16 * 32))
+    return min(most, 1 << (fit.bit_length() - 1))
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << (max(int(n), 1) - 1).bit_length()

@@ -7,7 +7,8 @@ loads and stores by width.
 
 Each kernel is compiled as the JIT would compile it for one representative launch (a random
 Llama-2-7B-shaped cache in bf16: L=32, H=32, D=128; gathers of 640-row blocks into an 8,192-row
-arena; a 20-token scatter): the same constexprs as the launcher picks, and the JIT's
+arena; a 20-token scatter, and a decode step's one-row scatter as ``..._q1``): the same
+constexprs and warps as the launcher picks, and the JIT's
 specialisation of the other arguments (integers equal to 1 become constants, pointers and
 integers divisible by 16 carry ``tt.divisibility``). The aligned variants appear under the op's
 name (``gather_concat``, ``gather_rotate``, ``scatter_rows``), the generic ones with
@@ -143,24 +144,26 @@ def cases() -> dict:
     meta = ptr(torch.int64)  # a host table travels behind the meta rows: 8 blocks, 54 values in
     out = {}
     for aligned, suffix in ((True, ""), (False, "_generic")):
-        _, block, block_r, block_d = gc.config(BLOCK_ROWS, D, itemsize, aligned)
+        _, block, block_r, block_d, warps = gc.config(BLOCK_ROWS, D, itemsize, aligned)
         out["gather_concat" + suffix] = (gc._gather_concat_kernel, dict(
             out_ptr=ptr(bits), meta_ptr=meta, table_ptr=meta, table_at=6 * (1 + 8), H=H, D=D, ALIGNED=aligned, VEC=vec,
-            BLOCK=block, BLOCK_R=block_r, BLOCK_D=block_d), 4)
-        _, block_r, block_d, block_j, block_t, block_f = gr.config(BLOCK_ROWS, D, HALF, aligned)
+            BLOCK=block, BLOCK_R=block_r, BLOCK_D=block_d), warps)
+        _, block_r, block_d, block_j, block_t, block_f, warps = gr.config(BLOCK_ROWS, D, HALF, aligned, itemsize)
         out["gather_rotate" + suffix] = (gr._gather_rotate_kernel, dict(
             out_ptr=ptr(DTYPE), bits_ptr=ptr(DTYPE), meta_ptr=meta, table_ptr=meta, table_at=6 * (1 + 8), inv_ptr=ptr(torch.float32),
             H=H, D=D, HALF=HALF, ALIGNED=aligned, VEC=vec, PRECISE=PRECISE_TRIG, ROUND_BF16=False,
-            BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_J=block_j, BLOCK_T=block_t, BLOCK_F=block_f), 4)
-    _, block_q, block_d = sr.config(Q, 1, H, D)
-    t = dict(ko_ptr=ptr(DTYPE), vo_ptr=ptr(DTYPE), k_ptr=ptr(DTYPE), v_ptr=ptr(DTYPE), rows_ptr=ptr(torch.int64),
-             q=Q, H=H, D=D, BLOCK_Q=block_q, BLOCK_D=block_d)
-    out["scatter_rows"] = (sr._scatter_rows_aligned, dict(
-        t, so_b=0, so_h=CAP * D, so_r=D, si_b=0, si_h=D, si_r=3 * H * D, VEC=vec), 4)
-    # the generic variant as a transposed key view makes it: rows of 3 * H * D, heads of D
-    out["scatter_rows_generic"] = (sr._scatter_rows_generic, dict(
-        t, sko_b=2 * H * CAP * D, sko_h=CAP * D, sko_r=D, sko_d=1, svo_b=2 * H * CAP * D, svo_h=CAP * D, svo_r=D,
-        svo_d=1, sk_b=Q * H * D, sk_h=D, sk_r=H * D, sk_d=1, sv_b=Q * H * D, sv_h=Q * D, sv_r=D, sv_d=1), 4)
+            BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_J=block_j, BLOCK_T=block_t, BLOCK_F=block_f), warps)
+    for q, suffix in ((Q, ""), (1, "_q1")):  # a short prefill, and a decode step's one row
+        _, block_q, block_d, warps = sr.config(q, 1, H, D, itemsize)
+        t = dict(ko_ptr=ptr(DTYPE), vo_ptr=ptr(DTYPE), k_ptr=ptr(DTYPE), v_ptr=ptr(DTYPE), rows_ptr=ptr(torch.int64),
+                 q=q, H=H, D=D, BLOCK_Q=block_q, BLOCK_D=block_d)
+        out["scatter_rows" + suffix] = (sr._scatter_rows_aligned, dict(
+            t, so_b=0, so_h=CAP * D, so_r=D, si_b=0, si_h=D, si_r=3 * H * D, VEC=vec), warps)
+        # the generic variant as a transposed key view makes it: rows of H * D, heads of D
+        out["scatter_rows_generic" + suffix] = (sr._scatter_rows_generic, dict(
+            t, sko_b=2 * H * CAP * D, sko_h=CAP * D, sko_r=D, sko_d=1, svo_b=2 * H * CAP * D, svo_h=CAP * D,
+            svo_r=D, svo_d=1, sk_b=q * H * D, sk_h=D, sk_r=H * D, sk_d=1, sv_b=q * H * D, sv_h=q * D, sv_r=D,
+            sv_d=1), warps)
     return out
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pckernels.kernels._common import as_bits, count_launch, next_pow2
+from pckernels.kernels._common import as_bits, count_launch, next_pow2, warps_for
 from pckernels.kernels._triton_common import (
     RUN_BYTES,
     check_grid,
@@ -72,15 +72,16 @@ def _gather_concat_kernel(
 
 
 @functools.lru_cache(maxsize=256)
-def config(max_rows: int, D: int, itemsize: int, aligned: bool) -> tuple[int, int, int, int]:
-    """``(chunks, BLOCK, BLOCK_R, BLOCK_D)`` of a launch: aligned, flat pieces of ``BLOCK`` elements
-    (``RUN_BYTES`` at most, no more than the longest run); generic, tiles of ``BLOCK_R`` rows."""
+def config(max_rows: int, D: int, itemsize: int, aligned: bool) -> tuple[int, int, int, int, int]:
+    """``(chunks, BLOCK, BLOCK_R, BLOCK_D, num_warps)`` of a launch: aligned, flat pieces of
+    ``BLOCK`` elements (``RUN_BYTES`` at most, no more than the longest run); generic, tiles of
+    ``BLOCK_R`` rows; fewer warps for short runs (each thread keeps a 16-byte vector)."""
     if aligned:
         block = min(RUN_BYTES // itemsize, next_pow2(max_rows * D))
-        return triton.cdiv(max_rows * D, block), block, 1, 1
+        return triton.cdiv(max_rows * D, block), block, 1, 1, warps_for(block, itemsize)
     block_d = next_pow2(D)
     block_r = min(next_pow2(max_rows), max(1, GENERIC_TILE // block_d))
-    return triton.cdiv(max_rows, block_r), 1, block_r, block_d
+    return triton.cdiv(max_rows, block_r), 1, block_r, block_d, warps_for(block_r * block_d, itemsize)
 
 
 def launch(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor, max_rows: int = -1) -> None:
@@ -95,11 +96,11 @@ def launch(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor, m
         return
     meta, table, table_at, entries, max_rows, aligned = tables
     L, _, H, _, D = out.shape
-    chunks, block, block_r, block_d = config(max_rows, D, out.element_size(), aligned)
+    chunks, block, block_r, block_d, warps = config(max_rows, D, out.element_size(), aligned)
     grid = check_grid((chunks, entries, L * 2 * H), "gather")
     count_launch("gather_concat")
     _gather_concat_kernel[grid](
         as_bits(out), meta, table, table_at, H=H, D=D, ALIGNED=aligned, VEC=16 // out.element_size(),
-        BLOCK=block, BLOCK_R=block_r, BLOCK_D=block_d,
+        BLOCK=block, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
     )
 

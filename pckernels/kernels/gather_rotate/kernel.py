@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pckernels.kernels._common import INTERPRET, as_bits, count_launch, next_pow2
+from pckernels.kernels._common import INTERPRET, as_bits, count_launch, next_pow2, warps_for
 from pckernels.kernels._triton_common import (
     PRECISE_TRIG,
     check_grid,
@@ -136,15 +136,17 @@ def _gather_rotate_kernel(
 
 
 @functools.lru_cache(maxsize=256)
-def config(max_rows: int, D: int, half: int, aligned: bool) -> tuple[int, int, int, int, int, int]:
-    """``(chunks, BLOCK_R, BLOCK_D, BLOCK_J, BLOCK_T, BLOCK_F)``: programs over chunks of
+def config(max_rows: int, D: int, half: int, aligned: bool, itemsize: int
+           ) -> tuple[int, int, int, int, int, int, int]:
+    """``(chunks, BLOCK_R, BLOCK_D, BLOCK_J, BLOCK_T, BLOCK_F, num_warps)``: programs over chunks of
     ``BLOCK_R`` rows (``BLOCK_R * next_pow2(D)`` at most ``TILE`` elements); aligned value planes
-    go in flat pieces of ``BLOCK_F`` elements, the largest power of two dividing ``BLOCK_R * D``."""
+    go in flat pieces of ``BLOCK_F`` elements, the largest power of two dividing ``BLOCK_R * D``;
+    fewer warps for a few rows."""
     block_d = next_pow2(D)
     block_r = min(next_pow2(max_rows), max(1, TILE // block_d))
     block_f = block_r * (D & -D) if aligned else 1
     return (triton.cdiv(max_rows, block_r), block_r, block_d, next_pow2(half), next_pow2(max(D - 2 * half, 1)),
-            min(block_f, TILE))
+            min(block_f, TILE), warps_for(block_r * block_d, itemsize))
 
 
 def launch(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor, inv_freq: torch.Tensor,
@@ -159,12 +161,13 @@ def launch(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor, i
         inv_freq.to(out.device).contiguous()
     half = inv.shape[1]
     round_bf16 = INTERPRET and out.dtype == torch.bfloat16
-    chunks, block_r, block_d, block_j, block_t, block_f = config(max_rows, D, half, aligned)
+    chunks, block_r, block_d, block_j, block_t, block_f, warps = config(max_rows, D, half, aligned,
+                                                                      out.element_size())
     grid = check_grid((chunks, entries, L * 2 * H), "gather-rotate")
     count_launch("gather_rotate")
     _gather_rotate_kernel[grid](
         out, as_bits(out) if round_bf16 else out, meta, table, table_at, inv,
         H=H, D=D, HALF=half, ALIGNED=aligned, VEC=16 // out.element_size(), PRECISE=PRECISE_TRIG,
         ROUND_BF16=round_bf16, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_J=block_j, BLOCK_T=block_t,
-        BLOCK_F=block_f,
+        BLOCK_F=block_f, num_warps=warps,
     )

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from pckernels.kernels._align import ALIGN_BYTES, kernel_strides, rows_aligned
-from pckernels.kernels._common import count_launch, next_pow2
+from pckernels.kernels._common import count_launch, next_pow2, warps_for
 from pckernels.kernels._triton_common import to_device
 
 TILE = 4096
@@ -67,11 +67,12 @@ def _scatter_rows_generic(
 
 
 @functools.lru_cache(maxsize=256)
-def config(q: int, B: int, H: int, D: int) -> tuple[tuple[int, int], int, int]:
-    """``(grid, BLOCK_Q, BLOCK_D)``: programs over (chunks of ``BLOCK_Q`` rows, batch x heads)."""
+def config(q: int, B: int, H: int, D: int, itemsize: int) -> tuple[tuple[int, int], int, int, int]:
+    """``(grid, BLOCK_Q, BLOCK_D, num_warps)``: programs over (chunks of ``BLOCK_Q`` rows, batch x
+    heads); one warp for a decode step's row, so that its threads still move 16-byte vectors."""
     block_d = next_pow2(D)
     block_q = min(next_pow2(q), max(1, TILE // block_d))
-    return (triton.cdiv(q, block_q), B * H), block_q, block_d
+    return (triton.cdiv(q, block_q), B * H), block_q, block_d, warps_for(block_q * block_d, itemsize)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -102,17 +103,17 @@ def launch(k_out: torch.Tensor, v_out: torch.Tensor, k: torch.Tensor, v: torch.T
     if q == 0 or B * H == 0:
         return
     rows = to_device(rows, k_out.device).contiguous()
-    grid, block_q, block_d = config(q, B, H, D)
+    grid, block_q, block_d, warps = config(q, B, H, D, k_out.element_size())
     count_launch("scatter_rows")
     fits, so, si = layout(k_out.shape, k_out.stride(), v_out.stride(), k.shape, k.stride(), v.stride(),
                           k_out.element_size())
     if fits and (k_out.data_ptr() | v_out.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGN_BYTES == 0:
         _scatter_rows_aligned[grid](
             k_out, v_out, k, v, rows, q, so[0], so[1], so[2], si[0], si[1], si[2],
-            H=H, D=D, VEC=16 // k_out.element_size(), BLOCK_Q=block_q, BLOCK_D=block_d,
+            H=H, D=D, VEC=16 // k_out.element_size(), BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=warps,
         )
     else:
         _scatter_rows_generic[grid](
             k_out, v_out, k, v, rows, q, *k_out.stride(), *v_out.stride(), *k.stride(), *v.stride(),
-            H=H, D=D, BLOCK_Q=block_q, BLOCK_D=block_d,
+            H=H, D=D, BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=warps,
         )
