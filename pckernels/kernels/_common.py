@@ -22,6 +22,8 @@ BACKEND_ENV = "PROMPTCACHE_KERNEL_BACKEND"
 
 _counts: Counter[str] = Counter()
 _lock = threading.Lock()
+_choices: dict[tuple, bool] = {}
+"""Memo of :func:`triton_for`: written under ``_lock``, read without it (a dict read is atomic)."""
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -80,9 +82,32 @@ def use_triton(device: torch.device, backend: str) -> bool:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def triton_for(device: torch.device, backend: str | None) -> bool:
+    """:func:`use_triton` of :func:`resolve_backend`, resolved once per (device type, backend,
+    ``$PROMPTCACHE_KERNEL_BACKEND`` when ``backend`` is None, interpreter, Triton installed) and
+    then read from a memo: the ops' hot path does a dict lookup instead of re-deciding. Bad names
+    raise every time (they are never stored)."""
+    env = os.environ.get(BACKEND_ENV) if backend is None else None
+    key = (device.type, backend, env, INTERPRET, HAS_TRITON)
+    choice = _choices.get(key)
+    if choice is None:
+        choice = use_triton(device, resolve_backend(backend))
+        with _lock:
+            _choices[key] = choice
+    return choice
+
+
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """Same-size integer view of ``t`` (same shape and strides): copies through it are bit-exact."""
     return t.view(_BITS[t.element_size()])
+
+
+def warps_for(elements: int, itemsize: int, most: int = 4) -> int:
+    """Warps for a program moving ``elements`` of ``itemsize`` bytes: as many as give every thread
+    at least one 16-byte vector (a power of two, 1 .. ``most``). Four warps over a decode-sized
+    tile would leave each thread a scalar or nothing, and no vector access."""
+    fit = max(1, elements * itemsize // (16 * 32))
+    return min(most, 1 << (fit.bit_length() - 1))
 
 
 def next_pow2(n: int) -> int:

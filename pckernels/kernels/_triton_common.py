@@ -1,14 +1,24 @@
 """Triton pieces shared by the kernel modules: the gather launches' preamble (meta table, table,
-grid) and ``@triton.jit`` helpers. Imported only with a Triton path, like the kernels themselves.
+alignment check, grid), host staging, and ``@triton.jit`` helpers. Imported only with a Triton
+path, like the kernels themselves.
+
+A gather launch reads one int64 *meta table* ``[1 + n_blocks, 6]``: row 0 describes ``out``, row
+``1 + b`` block ``b``, each as ``(address, stride_l, stride_kv, stride_h, stride_n, stride_d)``
+(element strides; those of size-1 dims 0). A host table is appended to it, so one copy (from
+pinned memory, ``non_blocking``, on CUDA) moves both; nothing is cached between launches.
 """
 
 from __future__ import annotations
+
+import array
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from pckernels.kernels._common import INTERPRET, next_pow2
+from pckernels.kernels._align import ALIGN_BYTES, kernel_strides, rows_aligned
+from pckernels.kernels._common import INTERPRET
 from pckernels.kernels.gather_concat import check_table_host
 
 try:
@@ -20,70 +30,127 @@ PRECISE_TRIG = libdevice is not None and not INTERPRET
 """Accurate ``libdevice`` sin/cos when compiled (the interpreter has none: it uses numpy's)."""
 
 META_W = 6
-_META_CACHE: dict[tuple, torch.Tensor] = {}
-_META_CACHE_MAX = 256
+RUN_BYTES = 16384
+"""Bytes one program of an aligned gather copies (a flat piece of one run)."""
 
 
-def _meta_table(blocks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Device int64 ``[n_blocks, 6]``: base address and element strides of each block.
-
-    Cached by its own contents (addresses and strides), so a hit is always correct.
-    """
-    rows = tuple((b.data_ptr(), *b.stride()) for b in blocks)
-    key = (device, rows)
-    meta = _META_CACHE.get(key)
-    if meta is None:
-        if len(_META_CACHE) >= _META_CACHE_MAX:
-            _META_CACHE.pop(next(iter(_META_CACHE)))
-        meta = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        _META_CACHE[key] = meta
-    return meta
+def stage(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``; on CUDA staged in pinned host memory and copied
+    ``non_blocking`` (the caching host allocator keeps the page until the copy has run)."""
+    host = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
-def launch_tables(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor,
-                  max_rows: int) -> tuple[torch.Tensor, int, torch.Tensor] | None:
-    """What a gather launch reads: ``table`` on ``out``'s device (contiguous), the launch's row
-    bound and the blocks' meta table; None when there is nothing to copy. A host table is
-    bounds-checked (its first four columns) and gives the bound when ``max_rows`` is ``-1``; a
-    device table is not checked (no sync) and falls back to ``cap``."""
-    if not blocks or table.shape[0] == 0:
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: a host tensor bound for CUDA goes through pinned memory, ``non_blocking``."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@functools.lru_cache(maxsize=1024)
+def plane_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[tuple[int, ...], bool]:
+    """``(kernel strides, fits)`` of a ``[L, 2, H, n, D]`` layout: the strides a gather kernel is
+    given and whether, its address aside, it fits the aligned variant (flat rows). A memo of
+    :func:`~pckernels.kernels._align.rows_aligned`: a few layouts recur in every launch."""
+    return kernel_strides(shape, strides), rows_aligned((0, itemsize, shape, strides), flat_rows=True)
+
+
+def launch_tables(out: torch.Tensor, blocks: list[torch.Tensor], table: torch.Tensor, max_rows: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, bool] | None:
+    """What a gather launch reads: ``(meta, table, table_at, entries, max_rows, aligned)``, or None
+    when there is nothing to copy. ``meta`` is the meta table on ``out``'s device; the kernel
+    finds entry ``m`` at ``table + table_at + m * width``; ``aligned`` says whether ``out`` and
+    every block fit the aligned variant (:func:`pckernels.kernels._align.rows_aligned` with flat
+    rows). A host table is bounds-checked (its first four columns), gives the row bound when
+    ``max_rows`` is ``-1`` and travels behind the meta table in one staged copy (``table`` is then
+    ``meta`` itself); a device table is not checked (no sync) and the bound falls back to ``cap``."""
+    entries = table.shape[0]
+    if not blocks or entries == 0:
         return None
+    itemsize = out.element_size()
+    values: list[int] = []
+    aligned = True
+    for t in (out, *blocks):
+        address = t.data_ptr()
+        strides, fits = plane_layout(t.shape, t.stride(), itemsize)
+        aligned = aligned and fits and address % ALIGN_BYTES == 0
+        values.append(address)
+        values.extend(strides)
     if table.device.type == "cpu":
-        longest = check_table_host([e[:4] for e in table.tolist()], blocks, out.shape[3])
+        rows = table.tolist()
+        longest = check_table_host(rows, blocks, out.shape[3])
         max_rows = longest if max_rows < 0 else max_rows
-        table = table.to(out.device, non_blocking=True)
-    elif max_rows < 0:
+        if max_rows == 0:
+            return None
+        table_at = len(values)
+        for e in rows:
+            values.extend(e)
+        meta = stage(values, out.device)
+        return meta, meta, table_at, entries, max_rows, aligned
+    if max_rows < 0:
         max_rows = out.shape[3]
     if max_rows == 0:
         return None
-    return table.contiguous(), max_rows, _meta_table(blocks, out.device)
+    return stage(values, out.device), table.contiguous(), 0, entries, max_rows, aligned
 
 
-def gather_grid(max_rows: int, entries: int, planes: int, D: int, tile: int,
-                what: str) -> tuple[tuple[int, int, int], int, int]:
-    """``(grid, BLOCK_R, BLOCK_D)`` of a gather launch: programs over (row chunks, table entries,
-    layer/k-v/head planes), ``BLOCK_R * BLOCK_D`` at most ``tile`` elements."""
-    block_d = next_pow2(D)
-    block_r = min(next_pow2(max_rows), max(1, tile // block_d))
-    grid = (triton.cdiv(max_rows, block_r), entries, planes)
+def check_grid(grid: tuple[int, int, int], what: str) -> tuple[int, int, int]:
+    """``grid`` unchanged, or ``ValueError`` past CUDA's limits on its 2nd and 3rd dims."""
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"{what} grid {grid} exceeds CUDA limits (table entries or L*2*H > 65535)")
-    return grid, block_r, block_d
+    return grid
 
 
 @triton.jit
-def source_rows(out_ptr, meta_ptr, blk, plane, H, src, r, META_W: tl.constexpr):
-    """For program plane ``plane`` (layer, k/v, head) of a launch over ``[L, 2, H, ...]``:
-    pointers ``[BLOCK_R, 1]`` to rows ``src + r`` of block ``blk`` (described in ``meta`` by its
-    base pointer and strides), that block's stride over ``d``, and ``l, kv, h``."""
-    l = (plane // (2 * H)).to(tl.int64)
-    kv = ((plane // H) % 2).to(tl.int64)
-    h = (plane % H).to(tl.int64)
-    meta = meta_ptr + blk * META_W
-    base = tl.load(meta).to(tl.pointer_type(out_ptr.dtype.element_ty))
-    rows = base + l * tl.load(meta + 1) + kv * tl.load(meta + 2) + h * tl.load(meta + 3) \
-        + (src + r)[:, None] * tl.load(meta + 4)
-    return rows, tl.load(meta + 5), l, kv, h
+def plane_index(plane, H: tl.constexpr):
+    """``(l, kv, h)`` of program plane ``plane`` of a launch over ``[L, 2, H, ...]`` (int64)."""
+    plane = plane.to(tl.int64)
+    return plane // (2 * H), (plane // H) % 2, plane % H
+
+
+@triton.jit
+def run_start(like_ptr, desc, l, kv, h, row, D: tl.constexpr, VEC: tl.constexpr):
+    """Aligned layout: pointer (``like_ptr``'s type) to row ``row`` of plane ``(l, kv, h)`` of the
+    tensor described at ``desc`` (a meta-table row), whose rows are ``D`` contiguous elements and
+    whose address and plane strides are multiples of 16 bytes (``VEC`` elements)."""
+    base = tl.multiple_of(tl.load(desc).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
+    s_l = tl.multiple_of(tl.load(desc + 1), VEC)
+    s_kv = tl.multiple_of(tl.load(desc + 2), VEC)
+    s_h = tl.multiple_of(tl.load(desc + 3), VEC)
+    return base + (l * s_l + kv * s_kv + h * s_h + row * D)
+
+
+@triton.jit
+def out_run_offset(desc, l, kv, h, row, D: tl.constexpr, VEC: tl.constexpr):
+    """:func:`run_start` for ``out`` itself, as an element offset from its (16-byte aligned) address,
+    the kernel argument."""
+    s_l = tl.multiple_of(tl.load(desc + 1), VEC)
+    s_kv = tl.multiple_of(tl.load(desc + 2), VEC)
+    s_h = tl.multiple_of(tl.load(desc + 3), VEC)
+    return l * s_l + kv * s_kv + h * s_h + row * D
+
+
+@triton.jit
+def strided_rows(like_ptr, desc, l, kv, h, rows):
+    """Generic layout: pointers ``[BLOCK_R, 1]`` (``like_ptr``'s type) to ``rows`` of plane
+    ``(l, kv, h)`` of the tensor described at ``desc``, and its stride over ``d``."""
+    base = tl.load(desc).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    ptrs = base + l * tl.load(desc + 1) + kv * tl.load(desc + 2) + h * tl.load(desc + 3) \
+        + rows[:, None] * tl.load(desc + 4)
+    return ptrs, tl.load(desc + 5)
+
+
+@triton.jit
+def out_strided_rows(desc, l, kv, h, rows):
+    """:func:`strided_rows` for ``out``: element offsets ``[BLOCK_R, 1]`` from its address, and its
+    stride over ``d``."""
+    offs = l * tl.load(desc + 1) + kv * tl.load(desc + 2) + h * tl.load(desc + 3) + rows[:, None] * tl.load(desc + 4)
+    return offs, tl.load(desc + 5)
 
 
 @triton.jit

@@ -45,11 +45,10 @@ def gather_concat(out: Tensor, blocks: list[Tensor], table: Tensor, *, max_rows:
     ``max_rows`` (largest ``n_rows``) should be given to size the grid.
     """
     mr = -1 if max_rows is None else int(max_rows)
-    b = resolve_backend(backend)
     if _use_op():
-        torch.ops.promptcache.gather_concat(out, list(blocks), table, mr, b)
+        torch.ops.promptcache.gather_concat(out, list(blocks), table, mr, resolve_backend(backend))
     else:
-        _lib.gather_concat_impl(out, list(blocks), table, mr, b)
+        _lib.gather_concat_impl(out, blocks if isinstance(blocks, list) else list(blocks), table, mr, backend)
 
 
 def gather_rotate(out: Tensor, blocks: list[Tensor], table: Tensor, inv_freq: Tensor, *,
@@ -65,11 +64,11 @@ def gather_rotate(out: Tensor, blocks: list[Tensor], table: Tensor, inv_freq: Te
     bit-exactly, as do values and the keys' other dims. Table rules as in :func:`gather_concat`.
     """
     mr = -1 if max_rows is None else int(max_rows)
-    b = resolve_backend(backend)
     if _use_op():
-        torch.ops.promptcache.gather_rotate(out, list(blocks), table, inv_freq, mr, b)
+        torch.ops.promptcache.gather_rotate(out, list(blocks), table, inv_freq, mr, resolve_backend(backend))
     else:
-        _lib.gather_rotate_impl(out, list(blocks), table, inv_freq, mr, b)
+        _lib.gather_rotate_impl(out, blocks if isinstance(blocks, list) else list(blocks), table, inv_freq, mr,
+                                backend)
 
 
 def scatter_rows(k_out: Tensor, v_out: Tensor, k: Tensor, v: Tensor, rows: Tensor, *,
@@ -78,11 +77,10 @@ def scatter_rows(k_out: Tensor, v_out: Tensor, k: Tensor, v: Tensor, rows: Tenso
 
     ``k_out, v_out [B, H, cap, D]``, ``k, v [B, H, q, D]``, ``rows [q]`` int32/int64.
     """
-    b = resolve_backend(backend)
     if _use_op():
-        torch.ops.promptcache.scatter_rows(k_out, v_out, k, v, rows, b)
+        torch.ops.promptcache.scatter_rows(k_out, v_out, k, v, rows, resolve_backend(backend))
     else:
-        _lib.scatter_rows_impl(k_out, v_out, k, v, rows, b)
+        _lib.scatter_rows_impl(k_out, v_out, k, v, rows, backend)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, backend: str | None = None) -> Tensor:
@@ -105,8 +103,9 @@ def write_rows(buf, layer: int, key_states: Tensor, value_states: Tensor, rows: 
     or, when ``rows`` is None, to the contiguous rows ``start .. start + q`` (a plain copy).
     """
     q = key_states.shape[2]
-    k_out = buf.data[layer, 0].unsqueeze(0)
-    v_out = buf.data[layer, 1].unsqueeze(0)
+    data = buf.data
+    k_out = data[layer, 0:1]
+    v_out = data[layer, 1:2]
     if rows is None:
         k_out[:, :, start:start + q].copy_(key_states)
         v_out[:, :, start:start + q].copy_(value_states)

@@ -8,7 +8,9 @@ CPU, CUDA, under ``opcheck`` and ``torch.compile``. The ops are opaque to Induct
 which FakeTensor tracing cannot provide), and ``torch.library.triton_op``, which would show
 ``scatter_rows``' kernel to Inductor, imports Triton and ``torch._inductor`` (about 2 s) when
 it decorates. The ``*_impl`` functions are what the ops run; the Python API calls them directly
-in eager mode (see :mod:`pckernels.ops`).
+in eager mode (see :mod:`pckernels.ops`), with ``backend=None`` meaning
+``$PROMPTCACHE_KERNEL_BACKEND``; the choice of path is memoised per device type and backend
+(:func:`pckernels.kernels._common.triton_for`).
 """
 
 from __future__ import annotations
@@ -19,37 +21,37 @@ from torch.library import custom_op
 from pckernels.kernels import gather_concat as _g
 from pckernels.kernels import gather_rotate as _gr
 from pckernels.kernels import scatter_rows as _s
-from pckernels.kernels._common import use_triton
+from pckernels.kernels._common import triton_for
 
 Tensor = torch.Tensor
 
 
 def gather_concat_impl(out: Tensor, blocks: list[Tensor], table: Tensor, max_rows: int = -1,
-                       backend: str = "auto") -> None:
+                       backend: str | None = "auto") -> None:
     """``out [L, 2, H, cap, D]`` <- rows of ``blocks[b] [L, 2, H, n_b, D]`` per ``table [M, 4]`` entry."""
     _g.check_gather_args(out, blocks, table)
-    if use_triton(out.device, backend):
+    if triton_for(out.device, backend):
         _g.gather_concat_triton(out, blocks, table, max_rows)
     else:
         _g.gather_concat_torch(out, blocks, table)
 
 
 def gather_rotate_impl(out: Tensor, blocks: list[Tensor], table: Tensor, inv_freq: Tensor, max_rows: int = -1,
-                       backend: str = "auto") -> None:
+                       backend: str | None = "auto") -> None:
     """``out [L, 2, H, cap, D]`` <- rows of ``blocks[b]`` per ``table [M, 5]`` entry ``(b, src, dst, n,
     delta)``, keys re-rotated by ``delta`` with layer ``l``'s ``inv_freq [L, half]``."""
     _gr.check_gather_rotate_args(out, blocks, table, inv_freq)
-    if use_triton(out.device, backend):
+    if triton_for(out.device, backend):
         _gr.gather_rotate_triton(out, blocks, table, inv_freq, max_rows)
     else:
         _gr.gather_rotate_torch(out, blocks, table, inv_freq)
 
 
 def scatter_rows_impl(k_out: Tensor, v_out: Tensor, k: Tensor, v: Tensor, rows: Tensor,
-                      backend: str = "auto") -> None:
+                      backend: str | None = "auto") -> None:
     """``k_out[:, :, rows[i]] = k[:, :, i]`` and the same for v; ``[B, H, cap|q, D]``, ``rows [q]``."""
     _s.check_scatter_args(k_out, v_out, k, v, rows)
-    if use_triton(k_out.device, backend):
+    if triton_for(k_out.device, backend):
         _s.scatter_rows_triton(k_out, v_out, k, v, rows)
     else:
         _s.scatter_rows_torch(k_out, v_out, k, v, rows)

@@ -8,7 +8,8 @@ bytes read + written. GPU name, memory and clocks come from nvidia-ml-py when in
     .venv/bin/python perf/kernels/gpu_check.py --dry-run       # CPU: tiny shapes, interpreter, no tests
 
 Targets (issue 4): gather >= 80% of the copy bandwidth for >= 256 MB, RoPE >= 70%; (issue 21)
-gather-rotate >= 70%.
+gather-rotate >= 70%; (issue 41) gather-concat and gather-rotate >= 80%. The gathers' lines say
+which variant (aligned or generic, ``docs/kernels.md``) their launches took.
 """
 
 from __future__ import annotations
@@ -115,6 +116,13 @@ def triton_ok() -> bool:
     return triton_runnable(DEV)
 
 
+def variant(out: torch.Tensor, blocks: list[torch.Tensor]) -> str:
+    """Which gather variant a launch over these tensors takes (``kernels/_align.py``)."""
+    from pckernels.kernels._align import all_rows_aligned, layout_of
+
+    return "aligned" if all_rows_aligned([layout_of(t) for t in (out, *blocks)], flat_rows=True) else "generic"
+
+
 def block_workload(dt: torch.dtype, delta=None):
     """Eight KV blocks ``[L, 2, H, n, D]`` of ``dt`` (``--gather-mb`` in all on CUDA, tiny on CPU),
     an ``out`` buffer with room for them, the host table placing them end to end (``delta(i)`` as
@@ -151,6 +159,7 @@ def bench_gather() -> None:
         ops.gather_concat(out, blocks, table, max_rows=n, backend="triton")
         assert torch.equal(out[:, :, :, :tokens], torch.cat(blocks, dim=3)), "gather mismatch"
     report(f"gather-concat L={w.L} H={w.H} D={w.D} fp16, {tokens} tokens in {w.nblk} blocks", 2 * nbytes, cases)
+    print(f"  Triton variant: {variant(out, blocks)}")
 
 
 def bench_scatter() -> None:
@@ -241,6 +250,7 @@ def bench_gather_rotate() -> None:
         print(f"\ngather-rotate triton vs torch path max abs diff (bf16): {err:.3e}")
     res = report(f"gather-rotate L={L} H={w.H} D={D} bf16, {tokens} tokens in {nblk} moved blocks", 2 * nbytes,
                  cases)
+    print(f"  Triton variant: {variant(out, blocks)}")
     key = "gather-rotate triton (device table)"
     if key in res:
         share = res["d2d copy (same bytes)"] / res[key]

@@ -30,9 +30,11 @@ def check_gather_args(out: torch.Tensor, blocks: list[torch.Tensor], table: torc
 
 
 def check_table_host(entries: list[list[int]], blocks: list[torch.Tensor], cap: int) -> int:
-    """Bounds-check host-side table entries; returns the largest ``n_rows``."""
+    """Bounds-check host-side table entries (their first four columns: ``block, src_row, dst_row,
+    n_rows``); returns the largest ``n_rows``."""
     max_rows = 0
-    for b, src, dst, n in entries:
+    for e in entries:
+        b, src, dst, n = e[0], e[1], e[2], e[3]
         if not 0 <= b < len(blocks):
             raise IndexError(f"table block index {b} out of range for {len(blocks)} blocks")
         if n < 0 or src < 0 or dst < 0 or src + n > blocks[b].shape[3] or dst + n > cap:
