@@ -70,9 +70,10 @@ class PromptCache:
     The engine's settings are one :class:`~pckernels.engine.config.EngineConfig`
     (``PromptCache(model, tokenizer, config=EngineConfig(...))``), or its fields as keywords, which
     build one; either way every setting is checked before the model is touched, and a bad one is
-    an :class:`~pckernels.errors.OptionError` (a ``ValueError``) naming it. ``kv_budget`` bytes bound the arena (default: 2 GiB on CPU, a quarter
-    of the GPU); ``max_queue`` waiting requests before ``EngineBusyError``; ``max_batch`` running
-    requests; ``step_tokens`` prompt tokens read per forward.
+    an :class:`~pckernels.errors.OptionError` (a ``ValueError``) naming it. ``kv_budget`` bytes
+    bound the arena (default: 2 GiB on CPU, a quarter of the GPU); ``max_queue`` waiting requests
+    before ``EngineBusyError``; ``max_batch`` running requests; ``step_tokens`` prompt tokens read
+    per forward.
 
     Encoded blocks live in a ``TieredStore`` (``docs/store.md``): ``device_budget`` and
     ``host_budget`` bytes (or ``"2GiB"``-style strings; ``None``: a quarter of the GPU or 1 GiB on
@@ -138,8 +139,8 @@ class PromptCache:
             if recurrent is not None:
                 if matmul != "fp32":
                     raise OptionError("matmul", matmul, "fp32 on a model with recurrent layers",
-                                  message=f"matmul={matmul!r} needs promptcache's native forward, which a model "
-                                          "with recurrent layers does not have")
+                                      message=f"matmul={matmul!r} needs promptcache's native forward, which a "
+                                              "model with recurrent layers does not have")
                 return prepared, ModelAdapter(prepared, attach=False), None, recurrent, model_id or model_fingerprint(
                     prepared, self.dtype)
             adapter = adapter_for(prepared, matmul=matmul)
