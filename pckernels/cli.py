@@ -12,8 +12,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from pckernels.cli_common import (MODEL_HELP, PLACEMENT_HELP, check_model_options, check_placement, console, fail,
-                                  load_engine)
+from pckernels.cli_common import (MODEL_HELP, PLACEMENT_HELP, console, engine_settings, fail, load_engine,
+                                  sampling_settings)
 from pckernels.cli_store import cache_app, encode
 from pckernels.cli_bench import CONTEXT as BENCH_CONTEXT, bench
 from pckernels.cli_compile import compile_programs
@@ -49,10 +49,10 @@ def demo(model: str = typer.Option("smollm2", help=MODEL_HELP),
     with promptcache's default mode, side by side: answers, time to first token, speed-up. Then
     checks the paper's exact path: exits 1 if an answer at schema placement differs from the
     reference forward (the exactness oracle)."""
-    check_placement(placement)
-    check_model_options(model, device, dtype)
+    config = engine_settings(model, device=device, dtype=dtype, placement=placement)
+    params = sampling_settings(max_new_tokens=max_new_tokens)
     demo_dir = resources.files("pckernels") / "data" / "demo"
-    cache = load_engine(model, device, dtype, placement=placement)
+    cache = load_engine(model, config)
     with resources.as_file(demo_dir) as folder:
         schema = cache.add_schema(Path(folder) / "city_guide.xml", progress=True)
     prompts = json.loads((demo_dir / "prompts.json").read_text(encoding="utf-8"))
@@ -66,8 +66,8 @@ def demo(model: str = typer.Option("smollm2", help=MODEL_HELP),
         table.add_column(col, justify="left" if col == "prompt" else "right")
     answers, same = [], 0
     for item in prompts:
-        base = cache.generate(item["prompt"], mode="baseline", max_new_tokens=max_new_tokens)
-        got = cache.generate(item["prompt"], max_new_tokens=max_new_tokens)
+        base = cache.generate(item["prompt"], params, mode="baseline")
+        got = cache.generate(item["prompt"], params)
         same += got.token_ids == base.token_ids
         table.add_row(escape(item["name"]), str(got.cached_tokens + got.computed_tokens), str(got.cached_tokens),
                       f"{base.ttft_s * 1e3:.0f} ms", f"{got.ttft_s * 1e3:.0f} ms", f"{base.ttft_s / got.ttft_s:.1f}x",
@@ -82,8 +82,8 @@ def demo(model: str = typer.Option("smollm2", help=MODEL_HELP),
     mismatched = []
     for item in prompts:
         exact = item["prompt"].replace("<prompt ", '<prompt placement="schema" ', 1)
-        ref = cache.generate(exact, mode="reference", max_new_tokens=max_new_tokens)
-        got = cache.generate(exact, max_new_tokens=max_new_tokens)
+        ref = cache.generate(exact, params, mode="reference")
+        got = cache.generate(exact, params)
         if got.token_ids != ref.token_ids:
             mismatched.append(item["name"])
     if mismatched:
@@ -104,7 +104,7 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
         as_json: bool = typer.Option(False, "--json", help="Print the result fields as JSON."),
         device: Optional[str] = typer.Option(None), dtype: Optional[str] = typer.Option(None),
         matmul: str = typer.Option("fp32", help="CPU matmul precision: fp32 or bf16 (docs/perf.md)."),
-        lookahead: int = typer.Option(0, min=0, help="Draft tokens a greedy decode step verifies besides its own "
+        lookahead: int = typer.Option(0, help="Draft tokens a greedy decode step verifies besides its own "
                                                      "(prompt lookup, docs/engine.md; 0: none)."),
         placement: str = typer.Option("compact", help=PLACEMENT_HELP),
         recompute: Optional[float] = typer.Option(None, min=0.0, help="Stale tokens recomputed: a share (0 to 1), or "
@@ -117,21 +117,19 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
     modes = ["cached", "baseline", "reference"] if mode == "compare" else [mode]
     if mode not in ("cached", "baseline", "reference", "compare"):
         fail(f"unknown mode {mode!r}: expected cached, baseline, reference or compare")
-    if matmul not in ("fp32", "bf16"):
-        fail(f"unknown --matmul {matmul!r}: expected fp32 or bf16")
-    check_placement(placement)
     if recompute_policy is not None and recompute_policy not in RECOMPUTE_POLICIES:
         fail(f"unknown --recompute-policy {recompute_policy!r}: expected {', '.join(RECOMPUTE_POLICIES)}")
-    check_model_options(model, device, dtype)
+    config = engine_settings(model, device=device, dtype=dtype, matmul=matmul, lookahead=lookahead,
+                             placement=placement)
+    params = sampling_settings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     if "<" not in schema and not Path(schema).is_file():
         fail(f"no such schema file: {schema!r}")
-    cache = load_engine(model, device, dtype, matmul=matmul, lookahead=lookahead, placement=placement)
+    cache = load_engine(model, config)
     try:
         cache.add_schema(schema if "<" in schema else Path(schema))
         text = _text_or_file(prompt)
-        results = {m: cache.generate(text, mode=m, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                     **({} if m == "baseline" else {"recompute": recompute,
-                                                                    "recompute_policy": recompute_policy}))
+        results = {m: cache.generate(text, params, mode=m, **({} if m == "baseline" else {
+                       "recompute": recompute, "recompute_policy": recompute_policy}))
                    for m in modes}
     except (OSError, ValueError) as exc:
         fail(exc)

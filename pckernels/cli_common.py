@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Iterator, NoReturn, Optional
+from typing import TYPE_CHECKING, Iterator, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -20,8 +20,12 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, T
                            TimeElapsedColumn)
 from rich.text import Text
 
+from pckernels.errors import OptionError
 from pckernels.integration.fetched import Reporter
-from pckernels.pml.placement import PLACEMENTS
+
+if TYPE_CHECKING:
+    from pckernels.engine.config import EngineConfig
+    from pckernels.generation import SamplingParams
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 err_console = Console(stderr=True)
@@ -39,12 +43,6 @@ PLACEMENT_HELP = ("Where a PML prompt places its modules when neither it nor its
                   "(the paper's: at schema positions, equal to the reference forward). docs/pml.md")
 
 
-def check_placement(placement: str) -> None:
-    """Refuse a ``--placement`` other than compact or schema."""
-    if placement not in PLACEMENTS:
-        fail(f"unknown --placement {placement!r}: expected {' or '.join(sorted(PLACEMENTS))}")
-
-
 def one_line(text: object) -> str:
     """``text`` with its whitespace runs, newlines included, folded to single spaces."""
     return " ".join(str(text).split())
@@ -56,20 +54,51 @@ def fail(message: object, code: int = USAGE_ERROR) -> NoReturn:
     raise typer.Exit(code)
 
 
-def check_model_options(model: str, device: Optional[str], dtype: Optional[str]) -> None:
-    """Refuse a bad ``--model`` path, ``--device`` or ``--dtype`` before anything is loaded."""
-    from pckernels.engine.options import check_load_options
+FLAGS = {"prefix_block_size": "--prefix-block"}
+"""Command-line flags named otherwise than ``--`` and the option's name with dashes."""
+
+
+def option_message(exc: OptionError) -> str:
+    """An :class:`~pckernels.errors.OptionError` as the command line says it, naming the flag."""
+    flag = FLAGS.get(exc.option, "--" + exc.option.replace("_", "-"))
+    if exc.choices and exc.value not in exc.choices:
+        return f"unknown {flag} {exc.value!r}: expected {' or '.join(exc.choices)}"
+    return f"{flag}: {exc}"
+
+
+def engine_settings(model: str, **options) -> "EngineConfig":
+    """The engine's settings from a command's options (:class:`~pckernels.engine.config.EngineConfig`)
+    and its ``--model`` path, checked before anything is loaded: a bad one ends the command with one
+    line naming its flag and exit status 2."""
+    from pckernels.engine.config import EngineConfig
+    from pckernels.engine.options import check_model_path
 
     try:
-        check_load_options(model, device, dtype)
-    except (ValueError, OSError) as exc:
+        config = EngineConfig(**options)
+    except OptionError as exc:
+        fail(option_message(exc))
+    try:
+        check_model_path(model)
+    except OSError as exc:
         fail(exc)
+    return config
 
 
-def load_engine(model: str, device: Optional[str], dtype: Optional[str], **kwargs):
-    """``PromptCache.from_pretrained`` (call ``check_model_options`` first, before other work); a
-    model that cannot be loaded (not in the hub cache, unsupported: ``UnsupportedModelError`` is a
-    ``ValueError``, …) ends the command with one line."""
+def sampling_settings(**options) -> "SamplingParams":
+    """A command's sampling options as a :class:`~pckernels.generation.SamplingParams`, checked before
+    anything is loaded (a bad one: one line naming its flag, exit status 2)."""
+    from pckernels.generation import SamplingParams
+
+    try:
+        return SamplingParams(**options)
+    except OptionError as exc:
+        fail(option_message(exc))
+
+
+def load_engine(model: str, config: "EngineConfig"):
+    """``PromptCache.from_pretrained`` with settings from :func:`engine_settings` (called first,
+    before other work); a model that cannot be loaded (not in the hub cache, unsupported:
+    ``UnsupportedModelError`` is a ``ValueError``, …) ends the command with one line."""
     from pckernels.engine import PromptCache
     from pckernels.integration import fetched
 
@@ -77,7 +106,7 @@ def load_engine(model: str, device: Optional[str], dtype: Optional[str], **kwarg
         fetch_model(model)
     try:
         with console.status(f"loading {escape(model)} …"):
-            return PromptCache.from_pretrained(model, device=device, dtype=dtype, **kwargs)
+            return PromptCache.from_pretrained(model, config=config)
     except (OSError, ValueError) as exc:
         fail(f"cannot load model {model!r}: {exc}")
 

@@ -12,8 +12,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from pckernels.cli_common import (MODEL_HELP, PLACEMENT_HELP, check_model_options, check_placement, console, fail,
-                                  load_engine)
+from pckernels.cli_common import MODEL_HELP, PLACEMENT_HELP, console, engine_settings, fail, load_engine
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +51,8 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
           remote: Optional[str] = typer.Option(None, help="Redis/Valkey URL (redis://host:port/db) of a tier shared "
                                                           "by a fleet of servers."),
           remote_namespace: str = typer.Option("promptcache", help="Key prefix in the --remote server."),
-          max_queue: int = typer.Option(256, min=0, help="Requests that may wait; more get 429."),
-          max_batch: int = typer.Option(64, min=1, help="Requests decoded together."),
+          max_queue: int = typer.Option(256, help="Requests that may wait; more get 429."),
+          max_batch: int = typer.Option(64, help="Requests decoded together."),
           request_timeout: float = typer.Option(600.0, min=0.0, help="Default deadline of a request in seconds "
                                                                      "(0: none)."),
           max_tokens: int = typer.Option(512, min=1, help="Tokens a chat request may generate when it says none."),
@@ -63,11 +62,11 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
           dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16."),
           matmul: str = typer.Option("fp32", help="CPU matmul precision: fp32, or bf16 (oneDNN over packed bf16 "
                                                  "weights; faster, changes numerics: docs/perf.md)."),
-          prefix_block: int = typer.Option(256, min=1, help="Tokens per block of plain prompts' exact prefix reuse."),
+          prefix_block: int = typer.Option(256, help="Tokens per block of plain prompts' exact prefix reuse."),
           prefix_resume: str = typer.Option("block", help="Where a plain prompt's hit resumes: block (bitwise "
                                                           "equal to no reuse) or token (from the first new token; "
                                                           "equal to rounding; attention-only models)."),
-          lookahead: int = typer.Option(0, min=0, help="Draft tokens a greedy request's decode step verifies besides "
+          lookahead: int = typer.Option(0, help="Draft tokens a greedy request's decode step verifies besides "
                                                        "its own (prompt lookup from its context; 0: none)."),
           placement: str = typer.Option("compact", help=PLACEMENT_HELP),
           allow_no_reuse: bool = typer.Option(False, help="Serve even when the model fails the prefix cache's "
@@ -94,30 +93,18 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
         fail(f"--host {host} is reachable from other machines: give --api-keys, or bind 127.0.0.1")
     if schemas is not None and not schemas.is_dir():
         fail(f"--schemas {str(schemas)!r} is not a folder")
-    if remote is not None:
-        from pckernels.store import parse_remote_url
-
-        try:
-            parse_remote_url(remote)
-        except ValueError as exc:
-            fail(f"--remote: {exc}")
-        if keys and not os.environ.get(SECRET_ENV):
-            log.warning("--remote with --api-keys but no $%s: each server derives its own tenant salts, so "
-                        "tenants' blocks are not shared across the fleet; give every server the same secret",
-                        SECRET_ENV)
-    check_model_options(model, device, dtype)
-    if matmul not in ("fp32", "bf16"):
-        fail(f"unknown --matmul {matmul!r}: expected fp32 or bf16")
-    if prefix_resume not in ("block", "token"):
-        fail(f"unknown --prefix-resume {prefix_resume!r}: expected block or token")
-    check_placement(placement)
     store = False if memory_only else (store_dir or default_store_dir())
+    config = engine_settings(model, device=device, dtype=dtype, matmul=matmul, store_dir=store,
+                             device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget,
+                             remote=remote, remote_namespace=remote_namespace, kv_budget=kv_budget,
+                             max_queue=max_queue, max_batch=max_batch, lookahead=lookahead,
+                             prefix_block_size=prefix_block, prefix_resume=prefix_resume, placement=placement)
+    if remote is not None and keys and not os.environ.get(SECRET_ENV):
+        log.warning("--remote with --api-keys but no $%s: each server derives its own tenant salts, so "
+                    "tenants' blocks are not shared across the fleet; give every server the same secret",
+                    SECRET_ENV)
     tenants = Tenants(keys, server_secret(None if store is False else store))
-    engine = load_engine(model, device, dtype, store_dir=store, device_budget=device_budget, host_budget=host_budget,
-                         disk_budget=disk_budget, kv_budget=kv_budget, max_queue=max_queue, max_batch=max_batch,
-                         remote=remote, remote_namespace=remote_namespace, matmul=matmul,
-                         prefix_block_size=prefix_block, lookahead=lookahead, prefix_resume=prefix_resume,
-                         placement=placement)
+    engine = load_engine(model, config)
     refusal = engine.prefix.refusal
     if refusal is not None and not allow_no_reuse:
         engine.close()

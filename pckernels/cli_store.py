@@ -11,8 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from pckernels.cli_common import (MODEL_HELP, PLACEMENT_HELP, check_model_options, check_placement, console, fail,
-                                  load_engine)
+from pckernels.cli_common import MODEL_HELP, PLACEMENT_HELP, console, engine_settings, fail, load_engine
 
 cache_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Inspect or clear the encoded-module files on disk.")
@@ -45,21 +44,13 @@ def encode(schema: Path = typer.Argument(..., help="Schema file to encode."),
            placement: str = typer.Option("compact", help=PLACEMENT_HELP + " (which encoding is stored)")) -> None:
     """Encode every module of SCHEMA and keep the blocks on disk (and in --remote) for later runs."""
     directory = _store_dir(store_dir)
-    if remote is not None:
-        from pckernels.store import parse_remote_url
-
-        try:
-            parse_remote_url(remote)
-        except ValueError as exc:
-            fail(f"--remote: {exc}")
-    check_model_options(model, device, dtype)
-    check_placement(placement)
+    config = engine_settings(model, device=device, dtype=dtype, store_dir=directory, remote=remote,
+                             remote_namespace=remote_namespace, placement=placement)
     if not schema.is_file():
         fail(f"no such schema file: {str(schema)!r}")
     if directory.exists() and not directory.is_dir():
         fail(f"--store-dir {str(directory)!r} is a file, not a directory")
-    cache = load_engine(model, device, dtype, store_dir=directory, remote=remote, remote_namespace=remote_namespace,
-                        placement=placement)
+    cache = load_engine(model, config)
     t0 = time.perf_counter()
     try:
         parsed = cache.add_schema(schema, progress=True)

@@ -32,6 +32,24 @@ class UnknownSchemaError(PMLError):
     schema: str = ""
 
 
+class OptionError(ValueError):
+    """An option was refused before anything ran (a sampling parameter, an engine setting).
+
+    ``option``: its name as the library spells it (``max_new_tokens``, ``max_queue``); ``value``:
+    what was given; ``expected``: what it takes (``">= 1"``, ``"one of fp32, bf16"``);
+    ``choices``: the values it takes when they are few. A ``ValueError``, so the server answers
+    it with a 400 and a command line with a one-line usage error naming the option.
+    """
+
+    def __init__(self, option: str, value: object, expected: str, *, choices: tuple[str, ...] = (),
+                 message: str | None = None) -> None:
+        self.option = option
+        self.value = value
+        self.expected = expected
+        self.choices = tuple(choices)
+        super().__init__(message or f"{option} must be {expected}, got {value!r}")
+
+
 class PromptTooLongError(ValueError):
     """A prompt leaves no room to generate within the model's positions.
 

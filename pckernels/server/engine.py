@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any, Callable, Protocol
 
 from pckernels.engine.request import Request, RequestHandle
+from pckernels.generation import SamplingParams
 from pckernels.pml.model import Schema
 
 
@@ -34,22 +34,16 @@ class ServingEngine(Protocol):
     def tokenizer(self) -> Any:
         """The Hugging Face tokenizer, to decode streamed tokens."""
 
-    def request(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                stop: str | list[str] | None = None, seed: int | None = None, recompute: float | None = None,
-                recompute_policy: str | None = None, deadline_s: float | None = None, salt: str = "",
-                logit_bias: Mapping[int, float] | None = None, presence_penalty: float = 0.0,
-                frequency_penalty: float = 0.0, logprobs: int | None = None, grammar: Any = None,
-                n: int = 1) -> Request:
-        """Parse and plan a PML prompt against ``salt``'s schemas; bad input raises and changes nothing."""
+    def request(self, prompt: str, params: SamplingParams | None = None, *, recompute: float | None = None,
+                recompute_policy: str | None = None, deadline_s: float | None = None, salt: str = "") -> Request:
+        """Parse and plan a PML prompt against ``salt``'s schemas, its tokens chosen by ``params``; bad
+        input raises and changes nothing."""
 
-    def complete_request(self, prompt: str | list[int] | list[dict[str, str]], *, max_new_tokens: int = 64,
-                         reuse: bool = True, temperature: float = 0.0, top_p: float = 1.0,
-                         stop: str | list[str] | None = None, seed: int | None = None,
-                         deadline_s: float | None = None, salt: str = "",
-                         logit_bias: Mapping[int, float] | None = None, presence_penalty: float = 0.0,
-                         frequency_penalty: float = 0.0, logprobs: int | None = None, grammar: Any = None,
-                         n: int = 1, tools: list[dict] | None = None) -> Request:
-        """A plain prompt (text, token ids or chat messages) as a request with exact prefix reuse."""
+    def complete_request(self, prompt: str | list[int] | list[dict[str, str]], params: SamplingParams | None = None,
+                         *, reuse: bool = True, deadline_s: float | None = None, salt: str = "",
+                         tools: list[dict] | None = None) -> Request:
+        """A plain prompt (text, token ids or chat messages) as a request with exact prefix reuse, its
+        tokens chosen by ``params``."""
 
     def submit(self, request: Request) -> RequestHandle:
         """Queue ``request`` on the scheduler and return its handle at once."""

@@ -10,6 +10,7 @@ request (text deltas come from :class:`pckernels.generation.text.TextStream`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import time
 
@@ -17,7 +18,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pckernels.engine.request import RequestHandle
-from pckernels.generation import TextStream
+from pckernels.errors import OptionError
+from pckernels.generation import SamplingParams, TextStream
 from pckernels.generation.grammar import GrammarError
 from pckernels.server.errors import SUBMIT_ERRORS, request_error, run_error, submit_error
 from pckernels.server.protocol import APIError
@@ -123,45 +125,38 @@ async def generate(state: ServerState, http: Request, body, who: Tenant, *, chat
 def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
     """The engine requests of ``body``, one per prompt (in a worker thread); input errors become APIErrors."""
     engine = state.engine
-    options = dict(temperature=1.0 if body.temperature is None else body.temperature,
-                   top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops() or None, seed=body.seed,
-                   deadline_s=body.timeout_s or state.request_timeout, salt=who.salt,
-                   logit_bias=body.bias(len(engine.tokenizer)), presence_penalty=body.presence_penalty or 0.0,
-                   frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.logprob_count())
-    limit = body.limit(state.default_max_tokens) if chat else body.max_tokens
-    options["grammar"] = _grammar(engine, body)
+    params = sampling(state, body, chat)
+    grammar = _grammar(engine, body)
     tools = None
     if chat:
         tools = check_tools(body.tools, body.tool_choice) if body.tool_choice != "none" else None
         lark = forced(tools, body.tool_choice, body.parallel_tool_calls) if tools else None
         if lark is not None:
-            if options["grammar"] is not None:
+            if grammar is not None:
                 raise APIError(400, "tool_choice required or named constrains the answer already; drop "
                                "response_format", param="response_format")
             try:
-                options["grammar"] = engine.grammars.lark(lark)
+                grammar = engine.grammars.lark(lark)
             except GrammarError as exc:
                 raise APIError(400, f"a tool's parameters cannot constrain decoding: {exc}", param="tools",
                                code="invalid_grammar") from None
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar)
+    deadline_s = body.timeout_s or state.request_timeout
     plain = (chat and body.messages) or (not chat and body.prompt not in (None, "", []))
     try:
         if body.pml is not None:
             if plain:
                 raise APIError(400, "give either pml or " + ("messages" if chat else "prompt") + ", not both",
                                param="pml")
-            return [engine.request(body.pml, max_new_tokens=limit, recompute=body.recompute,
-                                   recompute_policy=body.recompute_policy, n=body.n, **options)]
+            return [engine.request(body.pml, params, recompute=body.recompute, recompute_policy=body.recompute_policy,
+                                   deadline_s=deadline_s, salt=who.salt)]
         if not plain:
             raise APIError(400, ("messages" if chat else "prompt") + " must not be empty (or give a PML prompt "
                            "in the 'pml' field)", param="messages" if chat else "prompt")
-        if chat:
-            prompts = [template_messages(body.messages)]
-            options["tools"] = tools
-        else:
-            prompts = _completion_prompts(body.prompt)
-        if body.cache_salt is not None:
-            options["salt"] = cache_salt(who.salt, body.cache_salt)
-        return [engine.complete_request(prompt, max_new_tokens=limit, reuse=body.cache, n=body.n, **options)
+        prompts = [template_messages(body.messages)] if chat else _completion_prompts(body.prompt)
+        salt = who.salt if body.cache_salt is None else cache_salt(who.salt, body.cache_salt)
+        return [engine.complete_request(prompt, params, reuse=body.cache, deadline_s=deadline_s, salt=salt, tools=tools)
                 for prompt in prompts]
     except APIError:
         raise
@@ -171,6 +166,26 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
         if error is None:
             raise
         raise error from None
+
+
+OPENAI_FIELDS = {"max_new_tokens": "max_tokens"}
+"""The body field of a :class:`SamplingParams` field where OpenAI names it otherwise."""
+
+
+def sampling(state: ServerState, body, chat: bool) -> SamplingParams:
+    """How ``body`` wants its tokens chosen, as one :class:`SamplingParams` (its constraint, if any,
+    is added by the caller). Unset ``temperature`` and ``top_p`` are 1.0, as in OpenAI's API; a
+    value ``SamplingParams`` refuses is a 400 naming the field."""
+    try:
+        return SamplingParams(max_new_tokens=body.limit(state.default_max_tokens) if chat else body.max_tokens,
+                              temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops(), seed=body.seed,
+                              logit_bias=body.bias(len(state.engine.tokenizer)) or (),
+                              presence_penalty=body.presence_penalty or 0.0,
+                              frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.logprob_count(),
+                              n=body.n)
+    except OptionError as exc:
+        raise APIError(400, str(exc), param=OPENAI_FIELDS.get(exc.option, exc.option)) from None
 
 
 def _grammar(engine, body):
