@@ -29,12 +29,11 @@ import torch
 from pckernels.engine.context import EngineContext
 from pckernels.engine.hybrid_batch import HybridBatch, Source
 from pckernels.engine.request import Request, RequestHandle
-from pckernels.engine.runner import StepOutput, StepResult
+from pckernels.engine.runner import PromptBudget, StepOutput, StepResult, read_prompt
 from pckernels.engine.running import Running
 from pckernels.errors import RequestTooLargeError
 from pckernels.generation import TokenChoice
 from pckernels.prefix import PrefixCache
-from pckernels.prefix.reading import Reading
 from pckernels.prefix.states import CacheFootprint
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,6 @@ class HybridRequest(Running):
     """A running request of a hybrid model: its prompt's reading, then its own cache until it joins
     the batch; ``tokens``: what admission counted it for (prompt and ``max_new_tokens``)."""
 
-    reading: Reading | None = None
     own: object | None = None
     """Its transformers cache (one row) between the end of its reading and joining the batch."""
     tokens: int = 0
@@ -141,32 +139,31 @@ class HybridRunner:
 
     def step(self, running: list[HybridRequest], step_tokens: int,
              drafts: Callable[[HybridRequest], list[int]]) -> StepResult | None:
-        """The decoding requests' batched forward, then up to ``step_tokens`` of prompts read in
-        their chunks (arrival order)."""
+        """The decoding requests' batched forward, then the prompts still being read, in their chunks,
+        as far as a :class:`~pckernels.engine.runner.PromptBudget` of ``step_tokens`` lets them."""
         result = StepResult()
         decoding = [a for a in running if a.reading is None and a.pending is not None]
         if decoding:
             self._decode(decoding, drafts, result)
         elif self.batch is not None:
             self.batch, self.rows = None, []
-        budget = step_tokens
+        budget = PromptBudget(step_tokens)
         for active in running:
-            if budget <= 0:
-                break
             reading = active.reading
             if reading is None:
                 continue
-            before = reading.position
+            tokens = budget.take(reading.left, reading.chunk)
+            if not tokens:
+                continue
             try:
-                done = reading.advance(budget)
+                read_prompt(active, tokens)
             except Exception as exc:  # this request fails; the others go on
                 result.failed.append(active)
                 result.error = exc
                 continue
-            budget -= reading.position - before
             result.items += 1
             self.counters["prompt_chunks"] += 1
-            if done:
+            if reading.done:
                 result.outputs.append(StepOutput(active, self._read(active)))
         if not result.items and not result.failed:
             return None

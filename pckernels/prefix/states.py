@@ -65,10 +65,10 @@ class CacheStates:
         params = inspect.signature(model.forward).parameters
         self.cache_argument = "cache" if "cache" in params else "past_key_values"
 
-    def new_cache(self, rows: torch.Tensor | None = None) -> cache_utils.Cache:
-        """An empty cache laid out for the model's layers (it keeps its own states: ``rows`` to
-        read into are refused)."""
-        if rows is not None:
+    def new_cache(self, into=None) -> cache_utils.Cache:
+        """An empty cache laid out for the model's layers (it keeps its own states: rows to read
+        into, ``into``, are refused)."""
+        if into is not None:
             raise ValueError("a transformers cache keeps its own states; it cannot read a prompt into given rows")
         return cache_utils.DynamicCache(config=self.config)
 
