@@ -1,16 +1,16 @@
 """Running streams while a long cold prompt is read: what it delays them by, and what they delay it by.
 
 ``python -m perf.bench_loop [--tree PATH ...] [--prompt-tokens 5000] [--streams 3] [--step-tokens 2048]
-[--threads 2] [--out DIR]``
+[--stream-tokens 1500] [--threads 2] [--out DIR]``
 
 On the embedded SmolLM2 (fp32, ``store_dir=False``), in one process per engine:
 
-1. **alone** — a cold plain prompt of ``--prompt-tokens`` tokens (``complete``, reuse off: every run
-   reads the same chunks) and its time to first token;
-2. **one step** — ``--streams`` plain requests decoding, then a cold prompt of exactly
+1. **one step** — ``--streams`` plain requests decoding, then a cold prompt of exactly
    ``--step-tokens`` tokens: the streams' longest gap between two tokens while it is read is one step
    of ``step_tokens`` prompt tokens plus one decode, measured; the streams' median gap before it
    arrived is a decode step alone;
+2. **alone** — a cold plain prompt of ``--prompt-tokens`` tokens (``complete``, reuse off: every run
+   reads the same chunks) and its time to first token;
 3. **with streams** — the streams decoding again, then the long prompt: the streams' longest gap
    while it is read, their median gap, and its time to first token.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -37,6 +38,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+log = logging.getLogger("perf.bench_loop")
 
 GAP_TARGET = 2.0
 """The streams' longest gap while a long prompt is read, at most this many times one step."""
@@ -143,9 +146,13 @@ def measure(pc, *, prompt_tokens: int, streams: int, step_tokens: int, stream_to
     long_ids = document_ids(tokenizer, prompt_tokens, 1)
     step_ids = document_ids(tokenizer, step_tokens, 2)
     pc.complete(stream_prompt(0), max_new_tokens=4)  # warm up
-    alone = run_phase(pc, long_ids, streams=0, stream_prompt=stream_prompt, ban=ban, stream_tokens=stream_tokens)
-    step = run_phase(pc, step_ids, streams=streams, stream_prompt=stream_prompt, ban=ban, stream_tokens=stream_tokens)
-    together = run_phase(pc, long_ids, streams=streams, stream_prompt=stream_prompt, ban=ban, stream_tokens=stream_tokens)
+    phases = {}
+    for name, ids, count in (("one step", step_ids, streams), ("alone", long_ids, 0), ("with streams", long_ids, streams)):
+        began = time.monotonic()
+        phases[name] = run_phase(pc, ids, streams=count, stream_prompt=stream_prompt, ban=ban,
+                                 stream_tokens=stream_tokens)
+        log.info("%s: %.1f s, %s", name, time.monotonic() - began, phases[name])
+    step, alone, together = phases["one step"], phases["alone"], phases["with streams"]
     one_step = step.longest_gap
     return {
         "prompt_tokens": prompt_tokens, "streams": streams, "step_tokens": step_tokens,
@@ -170,7 +177,8 @@ def worker(args) -> dict:
 
     pc = PromptCache.from_pretrained("smollm2", store_dir=False, step_tokens=args.step_tokens)
     try:
-        out = measure(pc, prompt_tokens=args.prompt_tokens, streams=args.streams, step_tokens=args.step_tokens)
+        out = measure(pc, prompt_tokens=args.prompt_tokens, streams=args.streams, step_tokens=args.step_tokens,
+                      stream_tokens=args.stream_tokens)
     finally:
         pc.close()
     out["pckernels"] = str(Path(pckernels.__file__).resolve().parents[1])
@@ -181,12 +189,16 @@ def run_tree(tree: str, args) -> dict:
     """:func:`worker` in a subprocess with ``tree`` first on ``PYTHONPATH``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--prompt-tokens", str(args.prompt_tokens),
-               "--streams", str(args.streams), "--step-tokens", str(args.step_tokens), "--threads", str(args.threads)]
-    done = subprocess.run(command, env=env, cwd=str(Path(tree).resolve()), capture_output=True, text=True, check=False)
+               "--streams", str(args.streams), "--step-tokens", str(args.step_tokens), "--threads", str(args.threads),
+               "--stream-tokens", str(args.stream_tokens)]
+    log.info("measuring %s", tree)
+    done = subprocess.run(command, env=env, cwd=str(Path(tree).resolve()), stdout=subprocess.PIPE, text=True,
+                          check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"the measurement on {tree} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"the measurement on {tree} failed (its error is above)")
     out = json.loads(done.stdout.strip().splitlines()[-1])
     out["tree"] = tree
+    log.info("%s: %s", tree, out)
     return out
 
 
@@ -226,9 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=3)
     ap.add_argument("--step-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--stream-tokens", type=int, default=1500,
+                    help="each stream's max_new_tokens: enough to outlast the long prompt (they are cancelled then)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
