@@ -1,7 +1,7 @@
 """Running streams while a long cold prompt is read: what it delays them by, and what they delay it by.
 
 ``python -m perf.bench_loop [--tree PATH ...] [--prompt-tokens 5000] [--streams 3] [--step-tokens 2048]
-[--stream-tokens 1500] [--threads 2] [--out DIR]``
+[--stream-tokens 1500] [--decode-streams 1 8] [--threads 2] [--out DIR]``
 
 On the embedded SmolLM2 (fp32, ``store_dir=False``), in one process per engine:
 
@@ -13,6 +13,9 @@ On the embedded SmolLM2 (fp32, ``store_dir=False``), in one process per engine:
    reads the same chunks) and its time to first token;
 3. **with streams** — the streams decoding again, then the long prompt: the streams' longest gap
    while it is read, their median gap, and its time to first token.
+
+With ``--decode-streams 1 8``, also the decode rate of that many plain requests together
+(``--decode-tokens`` each; tokens/s while all of them decode), to see that decoding is unchanged.
 
 Targets (issue 42): the longest gap at most 2x one step, and the long prompt's TTFT within 1.3x of
 its TTFT alone. The streams never end by themselves (their end-of-sequence tokens are biased away)
@@ -133,7 +136,23 @@ def run_phase(pc, prompt_ids: list[int], *, streams: int, stream_prompt, ban: di
     return phase
 
 
-def measure(pc, *, prompt_tokens: int, streams: int, step_tokens: int, stream_tokens: int = 2000) -> dict:
+def decode_rate(pc, count: int, tokens: int, stream_prompt, ban: dict) -> float:
+    """Tokens/s of ``count`` plain requests decoding ``tokens`` tokens each together: the tokens
+    chosen while all of them decode (from the last one's first token to the first one's last)."""
+    running = [Stream(pc.submit(pc.complete_request(stream_prompt(i), max_new_tokens=tokens, logit_bias=ban)))
+               for i in range(count)]
+    for stream in running:
+        stream.follow()
+    for stream in running:
+        stream.thread.join(timeout=600)
+    start = max(s.times[0] for s in running)
+    end = min(s.times[-1] for s in running)
+    chosen = sum(1 for s in running for t in s.times if start < t <= end)
+    return chosen / (end - start) if end > start else float("nan")
+
+
+def measure(pc, *, prompt_tokens: int, streams: int, step_tokens: int, stream_tokens: int = 2000,
+            decode_streams: tuple[int, ...] = (), decode_tokens: int = 48) -> dict:
     """The three phases (module docstring) on engine ``pc``; seconds."""
     tokenizer = pc.tokenizer
     eos = {int(t) for t in getattr(pc, "eos_ids", ()) or ()} | (
@@ -153,6 +172,10 @@ def measure(pc, *, prompt_tokens: int, streams: int, step_tokens: int, stream_to
                                  stream_tokens=stream_tokens)
         log.info("%s: %.1f s, %s", name, time.monotonic() - began, phases[name])
     step, alone, together = phases["one step"], phases["alone"], phases["with streams"]
+    rates = {}
+    for count in decode_streams:
+        rates[count] = decode_rate(pc, count, decode_tokens, stream_prompt, ban)
+        log.info("decode at %d streams: %.1f tokens/s", count, rates[count])
     one_step = step.longest_gap
     return {
         "prompt_tokens": prompt_tokens, "streams": streams, "step_tokens": step_tokens,
@@ -164,6 +187,7 @@ def measure(pc, *, prompt_tokens: int, streams: int, step_tokens: int, stream_to
         "ttft_alone": alone.ttft,
         "ttft_with_streams": together.ttft,
         "ttft_ratio": together.ttft / alone.ttft,
+        "decode_tokens_per_s": rates,
     }
 
 
@@ -178,7 +202,8 @@ def worker(args) -> dict:
     pc = PromptCache.from_pretrained("smollm2", store_dir=False, step_tokens=args.step_tokens)
     try:
         out = measure(pc, prompt_tokens=args.prompt_tokens, streams=args.streams, step_tokens=args.step_tokens,
-                      stream_tokens=args.stream_tokens)
+                      stream_tokens=args.stream_tokens, decode_streams=tuple(args.decode_streams),
+                      decode_tokens=args.decode_tokens)
     finally:
         pc.close()
     out["pckernels"] = str(Path(pckernels.__file__).resolve().parents[1])
@@ -190,7 +215,8 @@ def run_tree(tree: str, args) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--prompt-tokens", str(args.prompt_tokens),
                "--streams", str(args.streams), "--step-tokens", str(args.step_tokens), "--threads", str(args.threads),
-               "--stream-tokens", str(args.stream_tokens)]
+               "--stream-tokens", str(args.stream_tokens), "--decode-tokens", str(args.decode_tokens),
+               "--decode-streams", *map(str, args.decode_streams)]
     log.info("measuring %s", tree)
     done = subprocess.run(command, env=env, cwd=str(Path(tree).resolve()), stdout=subprocess.PIPE, text=True,
                           check=False)
@@ -223,6 +249,14 @@ def table(rows: list[dict]) -> str:
                      f"| {_ms(row['ttft_alone'])} | {_ms(row['ttft_with_streams'])} "
                      f"| {_x(row['ttft_ratio'])} {'✓' if ttft_ok else '✗'} |")
     first = rows[0]
+    if first.get("decode_tokens_per_s"):
+        counts = list(first["decode_tokens_per_s"])
+        lines += ["", "| engine | " + " | ".join(f"decode tokens/s, {c} streams" for c in counts) + " |",
+                  "|---|" + "---|" * len(counts)]
+        for row in rows:
+            rates = row.get("decode_tokens_per_s", {})
+            lines.append(f"| {row.get('tree', row['pckernels'])} | "
+                         + " | ".join(f"{rates.get(c, float('nan')):.1f}" for c in counts) + " |")
     lines.append("")
     lines.append(f"{first['streams']} streams, a {first['prompt_tokens']}-token cold plain prompt, "
                  f"step_tokens={first['step_tokens']}; targets: gap / step <= {GAP_TARGET}, "
@@ -240,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--stream-tokens", type=int, default=1500,
                     help="each stream's max_new_tokens: enough to outlast the long prompt (they are cancelled then)")
+    ap.add_argument("--decode-streams", type=int, nargs="*", default=[],
+                    help="also measure decode tokens/s of this many plain requests together (e.g. 1 8)")
+    ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
