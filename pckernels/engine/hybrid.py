@@ -33,8 +33,8 @@ from pckernels.engine.runner import PromptBudget, StepOutput, StepResult, read_p
 from pckernels.engine.running import Running
 from pckernels.errors import RequestTooLargeError
 from pckernels.generation import TokenChoice
-from pckernels.prefix import PrefixCache
-from pckernels.prefix.states import CacheFootprint
+from pckernels.prefix.base import BasePrefixCache
+from pckernels.prefix.states import CacheFootprint, CacheStates
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +52,26 @@ class HybridRequest(Running):
 class HybridRunner:
     """Runs the requests of a model with recurrent layers (module docstring).
 
-    ``prefix()``: the engine's prefix cache (transformers caches, exact reuse); ``footprint``: the
-    model's cache layout; ``max_bytes``: the budget of running requests' states (the batch pads
-    every row to the longest, and admission counts it so).
+    ``prefix()``: the engine's prefix cache (transformers caches, exact reuse; used through
+    ``BasePrefixCache.begin`` only); ``footprint``: the model's cache layout (the decoding batch's
+    layer kinds come from it); ``max_bytes``: the budget of running requests' states (the batch
+    pads every row to the longest, and admission counts it so).
     """
 
     arena = None
 
-    def __init__(self, ctx: EngineContext, prefix: Callable[[], PrefixCache], footprint: CacheFootprint, *,
+    def __init__(self, ctx: EngineContext, prefix: Callable[[], BasePrefixCache], footprint: CacheFootprint, *,
                  max_bytes: int) -> None:
         self.ctx = ctx
         self.prefix = prefix
         self.footprint = footprint
+        self.states = CacheStates(ctx.adapter.model, kinds=footprint.kinds)
+        """How the decoding batch's cache is made and its layers' states read and put."""
         self.max_bytes = max_bytes
         self.counters: collections.Counter = collections.Counter()
+        self.peak = {"requests": 0, "bytes": 0}
+        """The busiest moment since the last ``reset_peak``: admitted requests' answers (rows of
+        the batch they may come to fill) and the bytes admission counted for them."""
         self.budgeted: dict[int, tuple[int, int]] = {}
         """Request id -> (tokens, rows) admission counted for it: rows are its answers not started
         on their own (``n`` until its prompt is read and the others fork off)."""
@@ -115,7 +121,15 @@ class HybridRunner:
         return child
 
     def admitted(self, active: HybridRequest) -> None:
-        """Nothing to note: admission counted it at :meth:`start`."""
+        """Note the busiest moment (``peak``); admission counted it at :meth:`start`."""
+        counted = self.budgeted.values()
+        rows = sum(rows for _, rows in counted)
+        used = self._bytes(rows, max((tokens for tokens, _ in counted), default=0))
+        if used > self.peak["bytes"]:
+            self.peak = {"requests": rows, "bytes": used}
+
+    def reset_peak(self) -> None:
+        self.peak = {"requests": 0, "bytes": 0}
 
     def _read(self, active: HybridRequest) -> torch.Tensor:
         """``active``'s prompt is read: keep its cache until it joins the batch; its first logits."""
@@ -202,8 +216,7 @@ class HybridRunner:
                 sources.append(self.batch.source(rows[id(active)]))
             else:
                 sources.append(Source(active.own, 0, active.next_pos))
-        states = self.prefix().states
-        self.batch = HybridBatch(states, sources, self.ctx.device)
+        self.batch = HybridBatch(self.states, sources, self.ctx.device)
         self.rows = list(decoding)
         for active in decoding:
             active.own = None
