@@ -73,7 +73,8 @@ class Scheduler:
     ``ctx``: the model; ``runner``: keeps the requests' states and runs the steps
     (:mod:`~pckernels.engine.runner`);
     ``max_queue``: waiting requests before ``submit`` raises ``EngineBusyError``;
-    ``max_batch``: running requests at once; ``step_tokens``: prompt tokens read per step;
+    ``max_batch``: running requests at once; ``step_tokens``: prompt tokens read per step at most,
+    across every prompt being read, oldest first (:class:`~pckernels.engine.runner.PromptBudget`);
     ``idle_exit_s``: the thread stops after that long without work and restarts on demand;
     ``lookahead``: draft tokens a greedy request's decode step may verify besides its own
     (prompt lookup, :mod:`pckernels.engine.lookahead`; 0: none).
