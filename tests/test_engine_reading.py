@@ -13,7 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from types import SimpleNamespace
+
 from pckernels.engine.runner import PromptBudget
+from pckernels.engine.step import plan_step
 from pckernels.errors import RequestCancelled
 from test_batching import run_threads
 from test_engine_prefix import BLOCK, doc, engine, same
@@ -37,6 +40,26 @@ def test_the_budget_hands_out_whole_pieces_oldest_first():
     whole = PromptBudget(8)
     assert whole.take(20, 20) == 20  # a prompt read in one forward goes in a step of its own
     assert PromptBudget(8).take(0, 16) == 0
+
+
+def _request(new: int, *, prefilled: int = 0, reading=None, pending=None):
+    """What ``plan_step`` reads of an ``ArenaRequest``."""
+    return SimpleNamespace(new_tokens=list(range(new)), new_positions=list(range(new)), rows=list(range(new + 8)),
+                           prefilled=prefilled, in_prompt=prefilled < new, reading=reading, pending=pending,
+                           live=None, next_pos=new, decoded_rows=0)
+
+
+def test_pml_pieces_and_plain_prompts_share_one_budget_oldest_first():
+    decoding = _request(5, prefilled=5, pending=7)
+    pml = _request(40)
+    plain = _request(100, reading=SimpleNamespace(left=100, chunk=16))
+    younger = _request(30)
+    items, reads = plan_step([decoding, pml, plain, younger], PromptBudget(50), lambda active: [])
+    assert [(item.active, len(item.tokens), item.decode) for item in items] == [
+        (decoding, 1, True), (pml, 40, False), (younger, 10, False)]
+    assert reads == [], "no whole chunk fits the 10 tokens the older prompt left"
+    items, reads = plan_step([plain, pml], PromptBudget(50), lambda active: [])
+    assert reads == [(plain, 48)] and [len(item.tokens) for item in items] == [2]
 
 
 def streams(pc, count: int, new: int = 60) -> list:
