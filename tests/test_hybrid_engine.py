@@ -196,3 +196,23 @@ def test_n_answers_copy_the_states_of_one_reading(tokenizer):
     assert sum(a.computed_tokens for a in answers) == single.computed_tokens
     assert pc.stats()["engine"]["hybrid"]["admitted"] == 0
     pc.close()
+
+
+def test_peak_is_kept_on_hybrid_models_as_on_the_arena(tokenizer):
+    """``Scheduler.peak`` (the ``Runner`` protocol's) answers on a hybrid model: the busiest moment's
+    requests and bytes, back to nothing after ``reset_peak``; the batch is built from the runner's
+    own layer states, not the prefix cache's."""
+    pc = engine(tokenizer, "lfm2")
+    assert pc.scheduler.peak == {"requests": 0, "bytes": 0}
+    with pc.model_lock:
+        handles = [pc.submit(pc.complete_request(chat(f"Question {i}?"), max_new_tokens=NEW)) for i in range(3)]
+    for handle in handles:
+        handle.result(timeout=60)
+    runner = pc.scheduler.runner
+    peak = pc.scheduler.peak
+    assert peak["requests"] == 3 and peak["bytes"] == runner._bytes(3, max(
+        len(h.request.prefix.token_ids) for h in handles) + NEW)
+    assert runner.states is not pc.prefix.states and runner.states.kinds == list(runner.footprint.kinds)
+    pc.scheduler.reset_peak()
+    assert pc.scheduler.peak == {"requests": 0, "bytes": 0}
+    pc.close()

@@ -19,7 +19,7 @@ from pckernels.engine.buffer import BufferCache
 from pckernels.engine.context import EngineContext
 from pckernels.engine.placement import Placer
 from pckernels.engine.request import Request, RequestHandle
-from pckernels.engine.runner import StepOutput, StepResult
+from pckernels.engine.runner import PromptBudget, StepOutput, StepResult, read_prompt
 from pckernels.engine.running import ArenaRequest, admitted_rows
 from pckernels.engine.step import StepPlan, plan_step
 from pckernels.errors import RequestTooLargeError
@@ -68,20 +68,35 @@ class ArenaRunner:
 
     def step(self, running: list[ArenaRequest], step_tokens: int,
              drafts: Callable[[ArenaRequest], list[int]]) -> StepResult | None:
-        items = plan_step(running, step_tokens, drafts)
-        if not items:
+        """One packed forward over the decode items and PML prompt pieces, then the plain prompts'
+        chunks, each read alone into its rows as a cold read does (``Runner.step``)."""
+        items, reads = plan_step(running, PromptBudget(step_tokens), drafts)
+        if not items and not reads:
             return None
-        try:
-            plan = StepPlan.build(items, self.arena, self.ctx.dtype, self.ctx.device)
-            logits = plan.run(self.ctx.adapter, self.cache)
-        except Exception as exc:  # the step's requests fail, the others go on
-            return StepResult(items=len(items), failed=[item.active for item in items], error=exc)
-        for item in items:
-            if not item.decode:
-                item.active.prefilled += len(item.tokens)
-        outputs = [StepOutput(item.active, item_logits, item.tokens if item.decode else None)
-                   for item, item_logits in plan.outputs(logits)]
-        return StepResult(outputs, len(items))
+        result = StepResult(items=len(items) + len(reads))
+        if items:
+            try:
+                plan = StepPlan.build(items, self.arena, self.ctx.dtype, self.ctx.device)
+                logits = plan.run(self.ctx.adapter, self.cache)
+            except Exception as exc:  # the step's requests fail, the others go on
+                result.failed.extend(item.active for item in items)
+                result.error = exc
+            else:
+                for item in items:
+                    if not item.decode:
+                        item.active.prefilled += len(item.tokens)
+                result.outputs.extend(StepOutput(item.active, item_logits, item.tokens if item.decode else None)
+                                      for item, item_logits in plan.outputs(logits))
+        for active, tokens in reads:
+            try:
+                self.counters["prompt_tokens_read"] += read_prompt(active, tokens)
+                self.counters["prompt_reads"] += 1
+                if active.reading.done:
+                    result.outputs.append(StepOutput(active, self.placer.read(active)))
+            except Exception as exc:  # this request fails, the others go on
+                result.failed.append(active)
+                result.error = exc
+        return result
 
     def settle(self, active: ArenaRequest, forwarded: int, consumed: int) -> None:
         """Nothing to undo: a rejected draft's rows are after every query until overwritten."""

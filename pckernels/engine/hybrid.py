@@ -29,13 +29,12 @@ import torch
 from pckernels.engine.context import EngineContext
 from pckernels.engine.hybrid_batch import HybridBatch, Source
 from pckernels.engine.request import Request, RequestHandle
-from pckernels.engine.runner import StepOutput, StepResult
+from pckernels.engine.runner import PromptBudget, StepOutput, StepResult, read_prompt
 from pckernels.engine.running import Running
 from pckernels.errors import RequestTooLargeError
 from pckernels.generation import TokenChoice
-from pckernels.prefix import PrefixCache
-from pckernels.prefix.reading import Reading
-from pckernels.prefix.states import CacheFootprint
+from pckernels.prefix.base import BasePrefixCache
+from pckernels.prefix.states import CacheFootprint, CacheStates
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,6 @@ class HybridRequest(Running):
     """A running request of a hybrid model: its prompt's reading, then its own cache until it joins
     the batch; ``tokens``: what admission counted it for (prompt and ``max_new_tokens``)."""
 
-    reading: Reading | None = None
     own: object | None = None
     """Its transformers cache (one row) between the end of its reading and joining the batch."""
     tokens: int = 0
@@ -54,20 +52,26 @@ class HybridRequest(Running):
 class HybridRunner:
     """Runs the requests of a model with recurrent layers (module docstring).
 
-    ``prefix()``: the engine's prefix cache (transformers caches, exact reuse); ``footprint``: the
-    model's cache layout; ``max_bytes``: the budget of running requests' states (the batch pads
-    every row to the longest, and admission counts it so).
+    ``prefix()``: the engine's prefix cache (transformers caches, exact reuse; used through
+    ``BasePrefixCache.begin`` only); ``footprint``: the model's cache layout (the decoding batch's
+    layer kinds come from it); ``max_bytes``: the budget of running requests' states (the batch
+    pads every row to the longest, and admission counts it so).
     """
 
     arena = None
 
-    def __init__(self, ctx: EngineContext, prefix: Callable[[], PrefixCache], footprint: CacheFootprint, *,
+    def __init__(self, ctx: EngineContext, prefix: Callable[[], BasePrefixCache], footprint: CacheFootprint, *,
                  max_bytes: int) -> None:
         self.ctx = ctx
         self.prefix = prefix
         self.footprint = footprint
+        self.states = CacheStates(ctx.adapter.model, kinds=footprint.kinds)
+        """How the decoding batch's cache is made and its layers' states read and put."""
         self.max_bytes = max_bytes
         self.counters: collections.Counter = collections.Counter()
+        self.peak = {"requests": 0, "bytes": 0}
+        """The busiest moment since the last ``reset_peak``: admitted requests' answers (rows of
+        the batch they may come to fill) and the bytes admission counted for them."""
         self.budgeted: dict[int, tuple[int, int]] = {}
         """Request id -> (tokens, rows) admission counted for it: rows are its answers not started
         on their own (``n`` until its prompt is read and the others fork off)."""
@@ -117,7 +121,15 @@ class HybridRunner:
         return child
 
     def admitted(self, active: HybridRequest) -> None:
-        """Nothing to note: admission counted it at :meth:`start`."""
+        """Note the busiest moment (``peak``); admission counted it at :meth:`start`."""
+        counted = self.budgeted.values()
+        rows = sum(rows for _, rows in counted)
+        used = self._bytes(rows, max((tokens for tokens, _ in counted), default=0))
+        if used > self.peak["bytes"]:
+            self.peak = {"requests": rows, "bytes": used}
+
+    def reset_peak(self) -> None:
+        self.peak = {"requests": 0, "bytes": 0}
 
     def _read(self, active: HybridRequest) -> torch.Tensor:
         """``active``'s prompt is read: keep its cache until it joins the batch; its first logits."""
@@ -141,32 +153,31 @@ class HybridRunner:
 
     def step(self, running: list[HybridRequest], step_tokens: int,
              drafts: Callable[[HybridRequest], list[int]]) -> StepResult | None:
-        """The decoding requests' batched forward, then up to ``step_tokens`` of prompts read in
-        their chunks (arrival order)."""
+        """The decoding requests' batched forward, then the prompts still being read, in their chunks,
+        as far as a :class:`~pckernels.engine.runner.PromptBudget` of ``step_tokens`` lets them."""
         result = StepResult()
         decoding = [a for a in running if a.reading is None and a.pending is not None]
         if decoding:
             self._decode(decoding, drafts, result)
         elif self.batch is not None:
             self.batch, self.rows = None, []
-        budget = step_tokens
+        budget = PromptBudget(step_tokens)
         for active in running:
-            if budget <= 0:
-                break
             reading = active.reading
             if reading is None:
                 continue
-            before = reading.position
+            tokens = budget.take(reading.left, reading.chunk)
+            if not tokens:
+                continue
             try:
-                done = reading.advance(budget)
+                read_prompt(active, tokens)
             except Exception as exc:  # this request fails; the others go on
                 result.failed.append(active)
                 result.error = exc
                 continue
-            budget -= reading.position - before
             result.items += 1
             self.counters["prompt_chunks"] += 1
-            if done:
+            if reading.done:
                 result.outputs.append(StepOutput(active, self._read(active)))
         if not result.items and not result.failed:
             return None
@@ -205,8 +216,7 @@ class HybridRunner:
                 sources.append(self.batch.source(rows[id(active)]))
             else:
                 sources.append(Source(active.own, 0, active.next_pos))
-        states = self.prefix().states
-        self.batch = HybridBatch(states, sources, self.ctx.device)
+        self.batch = HybridBatch(self.states, sources, self.ctx.device)
         self.rows = list(decoding)
         for active in decoding:
             active.own = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pckernels.prefix.states import HYBRID, KV, LINEAR, CacheStates
+from pckernels.prefix.states import HYBRID, KV, LINEAR, CacheStates, copy_states, layer_states, put_kv, put_states
 
 
 @dataclass
@@ -52,7 +52,8 @@ class HybridBatch:
                 self._stack_states(index, sources)
 
     def _stack_kv(self, index: int, sources: list[Source], total: int) -> None:
-        """Layer ``index``'s keys and values ``[B, H, total, D]``, each row right-aligned."""
+        """Layer ``index``'s keys and values ``[B, H, total, D]``, each row right-aligned (put as
+        the prefix cache's restore puts them: :func:`~pckernels.prefix.states.put_kv`)."""
         first = sources[0].cache.layers[index].keys
         shape = (len(sources), first.shape[1], total, first.shape[3])
         keys = torch.zeros(shape, dtype=first.dtype, device=first.device)
@@ -62,21 +63,18 @@ class HybridBatch:
             end = layer.keys.shape[-2]
             keys[row, :, total - source.length:] = layer.keys[source.index, :, end - source.length:end]
             values[row, :, total - source.length:] = layer.values[source.index, :, end - source.length:end]
-        layer = self.cache.layers[index]
-        layer.lazy_initialization(keys[..., :0, :], values[..., :0, :])
-        layer.keys, layer.values = keys, values
+        put_kv(self.cache, index, keys, values)
 
     def _stack_states(self, index: int, sources: list[Source]) -> None:
-        """Layer ``index``'s convolution and recurrent states ``[B, ...]``, one row per source."""
-        first = sources[0].cache.layers[index]
-        for state in range(first.number_of_states):
-            if first.is_conv_states_initialized[state]:
-                conv = torch.cat([s.cache.layers[index].conv_states[state][s.index:s.index + 1] for s in sources])
-                self.cache.update_conv_state(conv, index, state_idx=state)
-            if first.is_recurrent_states_initialized[state]:
-                rec = torch.cat([s.cache.layers[index].recurrent_states[state][s.index:s.index + 1]
-                                 for s in sources])
-                self.cache.update_recurrent_state(rec, index, state_idx=state)
+        """Layer ``index``'s convolution and recurrent states ``[B, ...]``, one row per source (read
+        and put as the prefix cache's snapshots and restores do: ``layer_states``, ``put_states``)."""
+        rows = [layer_states(source.cache, index) for source in sources]
+        pairs = []
+        for state, first in enumerate(rows[0]):
+            pairs.append(tuple(None if first[part] is None
+                               else torch.cat([row[state][part][s.index:s.index + 1] for row, s in zip(rows, sources)])
+                               for part in (0, 1)))
+        put_states(self.cache, index, tuple(pairs))
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -108,10 +106,6 @@ class HybridBatch:
         for index, kind in enumerate(self.states.kinds):
             layer = self.cache.layers[index]
             if kind in (KV, HYBRID):
-                layer.keys, layer.values = layer.keys[..., :total, :], layer.values[..., :total, :]
+                put_kv(self.cache, index, layer.keys[..., :total, :], layer.values[..., :total, :])
             if kind in (LINEAR, HYBRID):
-                for state, (conv, rec) in enumerate(states[index]):
-                    if conv is not None:
-                        layer.conv_states[state].copy_(conv)
-                    if rec is not None:
-                        layer.recurrent_states[state].copy_(rec)
+                copy_states(self.cache, index, states[index])

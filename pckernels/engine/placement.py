@@ -3,9 +3,10 @@
 A PML request's module blocks are placed in the :class:`~pckernels.engine.arena.KVArena` once
 (from the store; a moved block re-rotated on the way by one gather-rotate) and shared read-only by
 every request that imports them; the request gets the rows of its blocks it may see and rows of
-its own for its new and decoded tokens. A plain prompt is prefilled exactly through the engine's
-prefix cache straight into one contiguous run of its own rows (``pckernels.engine.prefix_rows``),
-so its decoding joins the batch with nothing moved.
+its own for its new and decoded tokens. A plain prompt is read exactly through the engine's
+prefix cache straight into one contiguous run of its own rows (``pckernels.engine.prefix_rows``):
+its stored prefix restored at admission, the rest a few chunks per step (the arena runner), so its
+decoding joins the batch with nothing moved.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pckernels.engine.request import Request, RequestHandle
 from pckernels.engine.running import ArenaRequest, SharedRows, admitted_rows, own_rows
 from pckernels.generation import TokenChoice
 from pckernels.pml.model import Schema
-from pckernels.prefix.base import BasePrefixCache
+from pckernels.prefix.base import BasePrefixCache, PromptRows
 
 
 class Placer:
@@ -120,15 +121,16 @@ class Placer:
         self.counters["blocks_placed"] += 1
         return block
 
-    def _start_prefix(self, handle: RequestHandle, choice: TokenChoice) -> tuple[ArenaRequest, torch.Tensor]:
-        """Prefill a plain prompt exactly through the prefix cache (alone), straight into a
-        contiguous run of its own rows. When free rows still hold the prompt's leading blocks
-        from an earlier request (:meth:`KVArena.remember_prefix`), the run starts there and those
-        blocks are not copied again."""
+    def _start_prefix(self, handle: RequestHandle, choice: TokenChoice) -> tuple[ArenaRequest, torch.Tensor | None]:
+        """Begin reading a plain prompt through the prefix cache straight into a contiguous run of
+        its own rows: its rows reserved and the longest stored prefix restored there now (cheap),
+        the rest read by later steps (:meth:`read` when done). When free rows still hold the
+        prompt's leading blocks from an earlier request (:meth:`KVArena.remember_prefix`), the run
+        starts there and those blocks are not copied again. With the logits ``[vocab]`` of its last
+        token when the whole prompt was stored (an exact repeat), else None."""
         request = handle.request
         ids = request.prefix.token_ids
         n = len(ids)
-        device = self.ctx.device
         prefix = self.prefix()
         keys = prefix.chain_keys(ids, request.prefix.salt) if request.prefix.reuse else []
         start, blocks = self.arena.prefix_run(keys)
@@ -138,22 +140,40 @@ class Placer:
             run = self.arena.allocate_run(n)
         rest = self.arena.allocate(own_rows(request) - n) if run is not None else None
         own = (run + rest) if run is not None else self.arena.allocate(own_rows(request))
+        arena = self.arena
+        into = PromptRows(lambda: arena.data[:, :, :, run[0]:run[0] + n], placed) if run else None
         try:
-            target = self.arena.data[:, :, :, run[0]:run[0] + n] if run else None
-            prefill = prefix.prefill(ids, reuse=request.prefix.reuse, salt=request.prefix.salt, rows=target,
-                                     placed=placed)
+            reading = prefix.begin(ids, reuse=request.prefix.reuse, salt=request.prefix.salt, into=into)
         except BaseException:
             self.arena.release(own)
             raise
         if placed:
             self.counters["prefix_tokens_in_place"] += placed
-        active = ArenaRequest(handle, choice, cached_tokens=prefill.cached_tokens,
-                              computed_tokens=n - prefill.cached_tokens, mode=prefill.mode, rows=own,
-                              new_tokens=list(ids), new_positions=list(range(n)))
+        active = ArenaRequest(handle, choice, mode=reading.mode, rows=own, new_tokens=list(ids),
+                              new_positions=list(range(n)), reading=reading, prompt_run=run or None,
+                              prompt_keys=keys or None)
+        active.block_rows = torch.zeros(0, dtype=torch.long, device=self.ctx.device)
+        active.own_visible = torch.zeros(0, dtype=torch.long, device=self.ctx.device)
+        if reading.done:
+            return active, self.read(active)
+        return active, None
+
+    def read(self, active: ArenaRequest) -> torch.Tensor:
+        """``active``'s plain prompt is read: it decodes on in the rows after it (a prompt read into
+        a private buffer is moved there in one copy first); the logits ``[vocab]`` of its last token."""
+        reading, active.reading = active.reading, None
+        reading.close()
+        prefill = reading.prefill()
+        n = reading.num_tokens
+        device = self.ctx.device
+        active.cached_tokens = prefill.cached_tokens
+        active.computed_tokens = n - prefill.cached_tokens
+        run, active.prompt_run = active.prompt_run, None
         if run:
+            prefix = self.prefix()
             exact = prefill.exact_tokens if prefill.exact_tokens is not None else n
-            blocks = (keys or prefix.chain_keys(ids, request.prefix.salt))[:exact // prefix.block_size]
-            active.prefix_blocks = (blocks, run[0], prefix.block_size)
+            keys = active.prompt_keys or prefix.chain_keys(active.new_tokens, active.request.prefix.salt)
+            active.prefix_blocks = (keys[:exact // prefix.block_size], run[0], prefix.block_size)
         rows = torch.tensor(active.rows[:n], dtype=torch.long, device=device)
         if run is None and n:
             self.counters["prefix_rows_moved"] += 1
@@ -162,9 +182,8 @@ class Placer:
         active.max_row = max(active.rows[:n]) if n else -1
         active.prefilled = n
         active.own_visible = rows
-        active.block_rows = torch.zeros(0, dtype=torch.long, device=device)
         active.next_pos = n
-        return active, prefill.logits
+        return prefill.logits
 
     def fork(self, lead: ArenaRequest, handle: RequestHandle, choice: TokenChoice) -> ArenaRequest:
         """Another answer of ``lead``'s request, starting where its prompt was just read: it reads the
@@ -189,6 +208,9 @@ class Placer:
         for key in active.block_keys:
             self.arena.release_block(key)
         active.block_keys = []
+        if active.reading is not None:  # stopped while its prompt was read: nothing is remembered
+            active.reading.close()
+            active.reading = None
         if active.prefix_blocks is not None:
             self.arena.remember_prefix(*active.prefix_blocks)
             active.prefix_blocks = None

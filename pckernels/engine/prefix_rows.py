@@ -26,20 +26,27 @@ from pckernels.engine.context import EngineContext
 from pckernels.integration.attention import AttentionSpec, KVLayout
 from pckernels.prefix import PrefixCache
 from pckernels.prefix.blocks import BlockKV
-from pckernels.prefix.base import Prefill
+from pckernels.prefix.base import Prefill, PromptRows
 from pckernels.prefix.states import KV
 
 NEG_INF = float("-inf")
 T = TypeVar("T")
 
 class RowsBuffer:
-    """``data [L, 2, H, capacity, D]``: the rows a prompt's states occupy (an arena view or a
-    private tensor that grows on demand)."""
+    """``data [L, 2, H, capacity, D]``: the rows a prompt's states occupy — a view of the arena asked
+    for anew at each use (``view()``: the arena may grow, and move, between two chunks of a prompt)
+    or a private tensor that grows on demand."""
 
-    def __init__(self, data: torch.Tensor, layout: KVLayout, *, growable: bool) -> None:
-        self.data = data
+    def __init__(self, layout: KVLayout, *, data: torch.Tensor | None = None,
+                 view: Callable[[], torch.Tensor] | None = None) -> None:
+        self._data = data
+        self._view = view
         self.layout = layout
-        self.growable = growable
+        self.growable = view is None
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._view() if self._view is not None else self._data
 
     def keys(self, layer: int, rows: int) -> torch.Tensor:
         return self.data[layer, 0, :, :rows].unsqueeze(0)
@@ -53,10 +60,11 @@ class RowsBuffer:
             return
         if not self.growable:
             raise RuntimeError(f"prompt rows hold {self.data.shape[3]} tokens, {rows} needed")
-        grown = torch.zeros((*self.data.shape[:3], max(rows, 2 * self.data.shape[3]), self.data.shape[4]),
-                            dtype=self.data.dtype, device=self.data.device)
-        grown[:, :, :, :self.data.shape[3]] = self.data
-        self.data = grown
+        data = self._data
+        grown = torch.zeros((*data.shape[:3], max(rows, 2 * data.shape[3]), data.shape[4]),
+                            dtype=data.dtype, device=data.device)
+        grown[:, :, :, :data.shape[3]] = data
+        self._data = grown
 
 
 class _RowStates:
@@ -72,16 +80,16 @@ class _RowStates:
         self.kinds = [KV] * layout.num_layers
         self._offsets = itertools.cycle((0, 5, 2))
 
-    def new_cache(self, rows: torch.Tensor | None = None) -> BufferCache:
-        """A cache over ``rows`` (``[L, 2, H, >= n, D]``, a view of the arena), or a private buffer
-        whose rows start at a varying offset (so the self-check compares different addresses)."""
-        if rows is not None:
-            return BufferCache(RowsBuffer(rows, self.layout, growable=False))
+    def new_cache(self, into: PromptRows | None = None) -> BufferCache:
+        """A cache over ``into``'s rows (``[L, 2, H, >= n, D]``, a view of the arena), or a private
+        buffer whose rows start at a varying offset (so the self-check compares different addresses)."""
+        if into is not None:
+            return BufferCache(RowsBuffer(self.layout, view=into.view))
         lay = self.layout
         offset = next(self._offsets)
         data = torch.zeros((lay.num_layers, 2, lay.num_kv_heads, offset + 64, lay.head_dim), dtype=self.dtype,
                            device=self.device)
-        return BufferCache(RowsBuffer(data[:, :, :, offset:], lay, growable=True))
+        return BufferCache(RowsBuffer(lay, data=data[:, :, :, offset:]))
 
     def inspect(self, cache) -> list[str]:
         return self.kinds
@@ -148,13 +156,12 @@ class EnginePrefixCache(PrefixCache):
         return f"{self.numerics}/rows"
 
     def prefill(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
-                rows: torch.Tensor | None = None, placed: int = 0) -> Prefill:
-        """As :meth:`PrefixCache.prefill`, run through ``run``; with ``rows`` (``[L, 2, H, >= n, D]``,
-        a view of the arena) the prompt's states are read into those rows, row i holding token i.
-        ``placed``: the first tokens whose states the rows already hold (left from an earlier
-        request that read the same blocks there); stored blocks are not copied over them."""
-        return self.run(lambda: super(EnginePrefixCache, self).prefill(prompt_ids, reuse=reuse, salt=salt, rows=rows,
-                                                                        placed=placed))
+                into: PromptRows | None = None) -> Prefill:
+        """As :meth:`PrefixCache.prefill`, run through ``run``; with ``into``
+        (:class:`~pckernels.prefix.base.PromptRows`: a view of arena rows) the prompt's states are
+        read into those rows, row i holding token i. The engine's scheduler does not call this: it
+        reads a prompt a few chunks per step (:meth:`begin`)."""
+        return self.run(lambda: super(EnginePrefixCache, self).prefill(prompt_ids, reuse=reuse, salt=salt, into=into))
 
     def forward_chunk(self, cache: BufferCache, input_ids: torch.Tensor, first_position: int) -> torch.Tensor:
         """One forward of ``input_ids [1, q]`` at positions ``first_position ..`` over rows

@@ -15,6 +15,7 @@ import torch
 from pckernels.engine.lookahead import NgramDrafter
 from pckernels.engine.request import Request, RequestHandle
 from pckernels.generation import GenerationResult, TokenChoice
+from pckernels.prefix.base import PromptReading
 
 
 def own_rows(request: Request) -> int:
@@ -56,6 +57,9 @@ class Running:
     draft_room: int = 0
     """Longest draft its next step may verify: halved when a draft is rejected outright, doubled
     (up to the scheduler's ``lookahead``) when one is taken whole."""
+    reading: PromptReading | None = None
+    """Its plain prompt's reading through the prefix cache while steps read it (a few chunks each,
+    :class:`~pckernels.engine.runner.PromptBudget`); None once read, and for PML prompts."""
 
     @property
     def request(self) -> Request:
@@ -101,7 +105,13 @@ class ArenaRequest(Running):
     position until the tokens at those positions overwrite them)."""
     shared: SharedRows | None = None
     """The prompt rows it shares with the other answers of its request (``n > 1``)."""
+    prompt_run: list[int] | None = None
+    """A plain prompt's rows while it is read: the contiguous run its reading writes, or None when
+    it is read into a private buffer (moved into ``rows`` when read)."""
+    prompt_keys: list[bytes] | None = None
+    """A plain prompt's block names (the arena remembers the blocks it read in its run)."""
 
     @property
-    def reading(self) -> bool:
+    def in_prompt(self) -> bool:
+        """Whether its prompt (PML or plain) is still being read."""
         return self.prefilled < len(self.new_tokens)

@@ -8,10 +8,12 @@ thread) and get a :class:`~pckernels.engine.request.RequestHandle`. The schedule
    rows, and the rows of blocks no running request already holds) fit the budget: their module
    blocks are placed in the :class:`~pckernels.engine.arena.KVArena` once and shared (a block
    five requests import is placed once), their own rows reserved for their new tokens and
-   ``max_new_tokens``; plain prompts are prefilled here through the exact prefix cache;
+   ``max_new_tokens``; a plain prompt's stored prefix is restored here through the exact prefix
+   cache;
 3. **step** — one forward over the packed tokens of every running request: one decode token
-   each, plus up to ``step_tokens`` prompt tokens of requests still reading their prompt
-   (chunked prefill). No padding: each query attends, by schema position, to its own request's
+   each, plus pieces of PML prompts still being read; then plain prompts' chunks, read alone as a
+   cold read does them — every prompt sharing ``step_tokens`` per step, oldest first
+   (:class:`~pckernels.engine.runner.PromptBudget`; the fairness rule of ``docs/engine.md``). No padding: each query attends, by schema position, to its own request's
    visible rows only — its modules' rows (parameter slots and recomputed tokens hidden) and its
    own rows — never another request's. Each request samples its next token from its own logits;
    finished requests free their rows at once and their slots go to waiting requests at the next
@@ -71,7 +73,8 @@ class Scheduler:
     ``ctx``: the model; ``runner``: keeps the requests' states and runs the steps
     (:mod:`~pckernels.engine.runner`);
     ``max_queue``: waiting requests before ``submit`` raises ``EngineBusyError``;
-    ``max_batch``: running requests at once; ``step_tokens``: prompt tokens read per step;
+    ``max_batch``: running requests at once; ``step_tokens``: prompt tokens read per step at most,
+    across every prompt being read, oldest first (:class:`~pckernels.engine.runner.PromptBudget`);
     ``idle_exit_s``: the thread stops after that long without work and restarts on demand;
     ``lookahead``: draft tokens a greedy request's decode step may verify besides its own
     (prompt lookup, :mod:`pckernels.engine.lookahead`; 0: none).
@@ -107,7 +110,8 @@ class Scheduler:
 
     @property
     def peak(self) -> dict:
-        """The arena runner's busiest moment since :meth:`reset_peak` (``ArenaRunner.peak``)."""
+        """The runner's busiest moment since :meth:`reset_peak` (``ArenaRunner.peak``: arena rows;
+        ``HybridRunner.peak``: requests and bytes)."""
         return self.runner.peak
 
     def reset_peak(self) -> None:
@@ -325,8 +329,8 @@ class Scheduler:
                 self.runner.admitted(active)
 
     def _start(self, handle: RequestHandle) -> Running | None:
-        """Place ``handle``'s request; a plain prompt is read here and chooses its first token
-        (None when that already ends it)."""
+        """Place ``handle``'s request (a plain prompt's stored prefix restored; the rest is read by
+        the steps); an exact repeat chooses its first token here (None when that already ends it)."""
         active, logits = self.runner.start(handle, self._choice(handle))
         if logits is not None and not self._read(active, logits):
             self._finish(active)

@@ -1,8 +1,10 @@
 """One step of the scheduler as a plan, then its run (flashinfer's plan/run habit).
 
 :func:`plan_step` chooses what the step computes: one decode item per request past its prompt
-(its pending token and any draft) and, within ``step_tokens``, the next piece of each prompt still
-being read (chunked prefill). :meth:`StepPlan.build` packs the items into one input with their
+(its pending token and any draft) and, within the step's prompt budget (``step_tokens``,
+:class:`~pckernels.engine.runner.PromptBudget`), the next piece of each prompt still being read
+(chunked prefill) — a PML prompt's piece goes into the packed forward, a plain prompt's chunks are
+read by the arena runner alone through its reading, exactly as a cold read does them. :meth:`StepPlan.build` packs the items into one input with their
 positions and arena rows, writes the rows' positions, makes the rows written by the step visible
 to their requests, and builds the mask: each query sees, by schema position, its own request's
 visible rows only — its modules' rows and its own — never another request's; reference-mode
@@ -19,6 +21,7 @@ import torch
 
 from pckernels.engine.arena import KVArena
 from pckernels.engine.buffer import BufferCache
+from pckernels.engine.runner import PromptBudget
 from pckernels.engine.running import ArenaRequest
 from pckernels.integration.adapters import ModelAdapter
 from pckernels.integration.attention import AttentionSpec
@@ -41,39 +44,41 @@ class StepItem:
     last_of_prompt: bool
 
 
-def plan_step(running: list[ArenaRequest], step_tokens: int,
-              drafts: Callable[[ArenaRequest], list[int]]) -> list[StepItem]:
-    """The items of the next step: decode items first, then prompt pieces within ``step_tokens``
-    (a prompt with an explicit mask is read whole, in a step of its own size if it must)."""
+def plan_step(running: list[ArenaRequest], budget: PromptBudget,
+              drafts: Callable[[ArenaRequest], list[int]]) -> tuple[list[StepItem], list[tuple[ArenaRequest, int]]]:
+    """The work of the next step: the packed forward's items — a decode item per request past its
+    prompt, then pieces of PML prompts — and the plain prompts' reads ``(request, tokens)``, the
+    prompts sharing ``budget`` in arrival order (a PML prompt with an explicit mask is read whole,
+    in a step of its own if it must; a plain prompt in whole chunks of its reading)."""
     items: list[StepItem] = []
+    reads: list[tuple[ArenaRequest, int]] = []
     offset = 0
     for active in running:
-        if not active.reading and active.pending is not None:
+        if not active.in_prompt and active.pending is not None:
             tokens = [active.pending] + drafts(active)
             first = len(active.new_tokens) + active.decoded_rows
             items.append(StepItem(active, tokens, list(range(active.next_pos, active.next_pos + len(tokens))),
                                   active.rows[first:first + len(tokens)], offset, True, False))
             offset += len(tokens)
-    budget = step_tokens
     for active in running:
-        if not active.reading:
+        if not active.in_prompt:
+            continue
+        if active.reading is not None:
+            count = budget.take(active.reading.left, active.reading.chunk)
+            if count:
+                reads.append((active, count))
             continue
         left = len(active.new_tokens) - active.prefilled
         whole = active.live is not None  # an explicit prefill mask needs every token in one forward
-        if whole and left > budget and budget < step_tokens:
-            continue
-        count = left if whole else min(left, budget)
+        count = budget.take(left, left if whole else 1)
         if count <= 0:
-            break
+            continue
         first = active.prefilled
         items.append(StepItem(active, active.new_tokens[first:first + count],
                               active.new_positions[first:first + count], active.rows[first:first + count],
                               offset, False, first + count == len(active.new_tokens)))
         offset += count
-        budget -= count
-        if budget <= 0:
-            break
-    return items
+    return items, reads
 
 
 @dataclass

@@ -11,7 +11,9 @@ cache by this class; :class:`~pckernels.prefix.PrefixCache` is the implementatio
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -46,6 +48,46 @@ class PrefixMatch:
     def cached_tokens(self) -> int:
         """Prompt tokens whose states the match restores."""
         return (self.chain[-1].end if self.chain else 0) + self.partial_tokens
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Where a reading puts a prompt's keys and values, for prefix caches that read into given rows
+    (the engine's arena). ``view()``: the rows as they are now, ``[L, 2, H, >= n, D]``, row i holding
+    token i — asked again at every chunk, so the storage behind them may move between two chunks
+    (the arena grows); ``placed``: the leading tokens whose states those rows already hold (left by
+    an earlier request that read the same blocks there), which a restore does not copy over."""
+
+    view: Callable[[], torch.Tensor]
+    placed: int = 0
+
+
+class PromptReading(Protocol):
+    """A prompt being read chunk by chunk (what :meth:`BasePrefixCache.begin` returns; the
+    implementation is :class:`~pckernels.prefix.reading.Reading`): ``position`` tokens of
+    ``num_tokens`` read, in forwards of ``chunk`` tokens; ``logits [vocab]`` of the last token once
+    ``done``; ``cached_tokens`` restored rather than computed; ``mode`` as :class:`Prefill`'s;
+    ``cache``: the states it reads into."""
+
+    num_tokens: int
+    position: int
+    chunk: int
+    cached_tokens: int
+    mode: str
+    logits: torch.Tensor | None
+    cache: object
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def left(self) -> int: ...
+
+    def advance(self, tokens: int | None = None) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def prefill(self) -> "Prefill": ...
 
 
 @dataclass
@@ -99,8 +141,19 @@ class BasePrefixCache(ABC):
         none is left to evict), as the budget does; returns the bytes freed."""
 
     @abstractmethod
+    def begin(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
+              into: PromptRows | None = None) -> PromptReading:
+        """Start reading ``prompt_ids``: the longest stored prefix restored now (when ``reuse``), the
+        rest read by the returned :class:`PromptReading` a few chunks at a time
+        (close it when done or abandoned). ``into``, where the implementation supports it: the rows
+        that receive the prompt's keys and values."""
+
     def prefill(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
-                rows: torch.Tensor | None = None, placed: int = 0) -> Prefill:
-        """Read ``prompt_ids``, restoring the longest stored prefix when ``reuse``; ``rows``
-        (``[L, 2, H, >= n, D]``), where the implementation supports it, receive the prompt's keys
-        and values (row i: token i), of which the first ``placed`` tokens' are already there."""
+                into: PromptRows | None = None) -> Prefill:
+        """Read the whole of ``prompt_ids`` at once (:meth:`begin`, then every chunk)."""
+        reading = self.begin(prompt_ids, reuse=reuse, salt=salt, into=into)
+        try:
+            reading.advance()
+        finally:
+            reading.close()
+        return reading.prefill()

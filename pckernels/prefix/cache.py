@@ -27,7 +27,7 @@ from pckernels.errors import PromptTooLongError, UnsupportedModelError
 from pckernels.generation import GenerationResult, SamplingParams, TokenChoice, eos_token_ids
 from pckernels.integration.identity import model_fingerprint
 from pckernels.integration.adapters import ModelAdapter, adapter_for
-from pckernels.prefix.base import BasePrefixCache, Prefill, PrefixMatch
+from pckernels.prefix.base import BasePrefixCache, Prefill, PrefixMatch, PromptRows
 from pckernels.prefix.blocks import BlockStore, CachedEntry, block_keys, common_prefix, prompt_end_key
 from pckernels.prefix.check import self_check
 from pckernels.prefix.prompts import Prompt, encode_prompt
@@ -186,27 +186,21 @@ class PrefixCache(BasePrefixCache):
             raise PromptTooLongError(num_tokens - 1, self.max_positions)
 
     def prefill(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
-                rows: torch.Tensor | None = None, placed: int = 0) -> Prefill:
+                into: PromptRows | None = None) -> Prefill:
         """Read ``prompt_ids`` exactly as :meth:`complete` does (restoring the longest stored prefix
-        when ``reuse``) and return the states and last logits, for a caller that decodes itself
-        (the engine's scheduler). ``salt`` roots the block chain in a namespace of its own: the
-        same tokens under another salt match nothing. ``rows``/``placed``: where the prompt's
-        states go, for caches that read into given rows (``BasePrefixCache.prefill``; this class's
-        HF caches keep their own and refuse them). Not thread-safe with other forwards of the
-        model."""
-        reading = self.begin(prompt_ids, reuse=reuse, salt=salt, rows=rows, placed=placed)
-        try:
-            reading.advance()
-        finally:
-            reading.close()
-        return reading.prefill()
+        when ``reuse``) and return the states and last logits, for a caller that decodes itself.
+        ``salt`` roots the block chain in a namespace of its own: the same tokens under another salt
+        match nothing. ``into``: where the prompt's states go, for caches that read into given rows
+        (:class:`~pckernels.prefix.base.PromptRows`; this class's HF caches keep their own and
+        refuse them). Not thread-safe with other forwards of the model."""
+        return super().prefill(prompt_ids, reuse=reuse, salt=salt, into=into)
 
     def begin(self, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
-              rows: torch.Tensor | None = None, placed: int = 0) -> Reading:
+              into: PromptRows | None = None) -> Reading:
         """Start reading ``prompt_ids`` as :meth:`prefill` does (the stored prefix restored at once),
-        for a caller that reads the rest a few chunks at a time (:class:`~pckernels.prefix.reading.Reading`);
-        close the reading when done or abandoned."""
-        return Reading(self, prompt_ids, reuse=reuse, salt=salt, rows=rows, placed=placed)
+        for a caller that reads the rest a few chunks at a time (:class:`~pckernels.prefix.reading.Reading`:
+        the engine's scheduler); close the reading when done or abandoned."""
+        return Reading(self, prompt_ids, reuse=reuse, salt=salt, into=into)
 
     def match(self, prompt_ids: list[int], salt: str = "") -> PrefixMatch:
         """The longest stored prefix of ``prompt_ids`` a prefill can resume after, reading blocks

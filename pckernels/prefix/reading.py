@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from pckernels.prefix.base import Prefill, PrefixMatch
+from pckernels.prefix.base import Prefill, PrefixMatch, PromptRows
 from pckernels.prefix.blocks import head_kv
 
 
@@ -51,10 +51,11 @@ class Owner(Protocol):
 class Reading:
     """A prompt being read (module docstring). ``owner``: the prefix cache; ``prompt_ids``: the
     prompt; ``reuse``: restore and store (else read in the same chunks, nothing looked up or stored);
-    ``salt``: the chain's namespace; ``rows``/``placed``: where the states go (``BasePrefixCache.prefill``)."""
+    ``salt``: the chain's namespace; ``into``: where the states go, for caches that read into given
+    rows (:class:`~pckernels.prefix.base.PromptRows`; None: a cache of the reading's own)."""
 
     def __init__(self, owner: Owner, prompt_ids: list[int], *, reuse: bool = True, salt: str = "",
-                 rows: torch.Tensor | None = None, placed: int = 0) -> None:
+                 into: PromptRows | None = None) -> None:
         owner.check_length(len(prompt_ids))
         self.owner = owner
         self.prompt_ids = list(prompt_ids)
@@ -68,7 +69,7 @@ class Reading:
         self.found: PrefixMatch | None = owner.match(prompt_ids, salt) if self.use_store else None
         self._closed = False
         try:
-            self.cache = owner.states.new_cache(rows)
+            self.cache = owner.states.new_cache(into)
             found = self.found
             self.stores = found is not None and found.partial is None
             """Whether what this reading computes is stored (not after a token-granular resume)."""
@@ -78,7 +79,7 @@ class Reading:
                     pieces.append(head_kv(found.partial.kv, found.partial_tokens))
                 with torch.no_grad():
                     owner.states.restore(self.cache, pieces, found.chain[-1].states if found.chain else None,
-                                         placed=placed)
+                                         placed=into.placed if into is not None else 0)
             if found is not None and found.end is not None:
                 self.logits = found.end.final_logits.clone()
                 self.position = self.num_tokens
@@ -93,6 +94,11 @@ class Reading:
     def done(self) -> bool:
         """Whether the whole prompt is read (:attr:`logits` set)."""
         return self.logits is not None
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens still to read."""
+        return 0 if self.done else self.num_tokens - self.position
 
     def advance(self, tokens: int | None = None) -> bool:
         """Read chunks until at least ``tokens`` more prompt tokens are read (``None``: to the end);

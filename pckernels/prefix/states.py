@@ -52,23 +52,64 @@ def layer_kind(layer) -> str:
     )
 
 
-class CacheStates:
-    """Creates working caches for ``model`` and copies states out of and into them.
+def put_kv(cache: cache_utils.Cache, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Layer ``index`` of ``cache`` holds ``keys``/``values`` ``[B, H, n, D]`` (as they are, no copy)."""
+    layer = cache.layers[index]
+    if not getattr(layer, "is_initialized", False):
+        layer.lazy_initialization(keys[..., :0, :], values[..., :0, :])
+    layer.keys, layer.values = keys, values
 
-    ``kinds`` is filled from the first cache passed to :meth:`inspect`.
+
+def layer_states(cache: cache_utils.Cache, index: int) -> tuple:
+    """Layer ``index``'s convolution and recurrent states as they are (views, not copies): one
+    ``(conv, recurrent)`` pair per sub-state, each a tensor ``[B, ...]`` or ``None`` (not made yet)."""
+    layer = cache.layers[index]
+    return tuple((layer.conv_states[idx] if layer.is_conv_states_initialized[idx] else None,
+                  layer.recurrent_states[idx] if layer.is_recurrent_states_initialized[idx] else None)
+                 for idx in range(layer.number_of_states))
+
+
+def put_states(cache: cache_utils.Cache, index: int, pairs: tuple) -> None:
+    """Give layer ``index`` of a new ``cache`` the ``(conv, recurrent)`` states ``pairs`` (as
+    :func:`layer_states` gives them), copied into the layer's own buffers."""
+    for idx, (conv, rec) in enumerate(pairs):
+        if conv is not None:
+            cache.update_conv_state(conv, index, state_idx=idx)
+        if rec is not None:
+            cache.update_recurrent_state(rec, index, state_idx=idx)
+
+
+def copy_states(cache: cache_utils.Cache, index: int, pairs: tuple) -> None:
+    """Put layer ``index``'s states back to ``pairs`` (taken from this cache earlier, same shapes):
+    copied over its buffers, nothing else about the layer changed."""
+    layer = cache.layers[index]
+    for idx, (conv, rec) in enumerate(pairs):
+        if conv is not None:
+            layer.conv_states[idx].copy_(conv)
+        if rec is not None:
+            layer.recurrent_states[idx].copy_(rec)
+
+
+class CacheStates:
+    """Creates working caches for ``model`` and copies states out of and into them, one layer at a
+    time through :func:`put_kv`, :func:`layer_states`, :func:`put_states` and :func:`copy_states`
+    (the engine's decoding batch uses the same functions).
+
+    ``kinds`` (per layer: :data:`KV`, :data:`LINEAR`, ...) is given, or filled from the first cache
+    passed to :meth:`inspect`.
     """
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, kinds: list[str] | tuple[str, ...] | None = None) -> None:
         self.model = model
         self.config = model.config
-        self.kinds: list[str] | None = None
+        self.kinds: list[str] | None = list(kinds) if kinds is not None else None
         params = inspect.signature(model.forward).parameters
         self.cache_argument = "cache" if "cache" in params else "past_key_values"
 
-    def new_cache(self, rows: torch.Tensor | None = None) -> cache_utils.Cache:
-        """An empty cache laid out for the model's layers (it keeps its own states: ``rows`` to
-        read into are refused)."""
-        if rows is not None:
+    def new_cache(self, into=None) -> cache_utils.Cache:
+        """An empty cache laid out for the model's layers (it keeps its own states: rows to read
+        into, ``into``, are refused)."""
+        if into is not None:
             raise ValueError("a transformers cache keeps its own states; it cannot read a prompt into given rows")
         return cache_utils.DynamicCache(config=self.config)
 
@@ -101,18 +142,9 @@ class CacheStates:
         Each item is ``None`` (no such state) or a tuple of one ``(conv, recurrent)`` pair per
         sub-state, each tensor or ``None``.
         """
-        out = []
-        for layer, kind in zip(cache.layers, self.kinds):
-            if kind not in (LINEAR, HYBRID):
-                out.append(None)
-                continue
-            pairs = []
-            for idx in range(layer.number_of_states):
-                conv = layer.conv_states[idx] if layer.is_conv_states_initialized[idx] else None
-                rec = layer.recurrent_states[idx] if layer.is_recurrent_states_initialized[idx] else None
-                pairs.append((None if conv is None else conv.clone(), None if rec is None else rec.clone()))
-            out.append(tuple(pairs))
-        return out
+        return [tuple((None if conv is None else conv.clone(), None if rec is None else rec.clone())
+                      for conv, rec in layer_states(cache, index)) if kind in (LINEAR, HYBRID) else None
+                for index, kind in enumerate(self.kinds)]
 
     def restore(self, cache: cache_utils.Cache, kv_pieces: list[list], states: list | None, placed: int = 0) -> None:
         """Fill an empty ``cache`` with concatenated KV pieces and a recurrent snapshot.
@@ -123,23 +155,16 @@ class CacheStates:
         The restored tensors are fresh contiguous copies, laid out exactly as the cache's own
         concatenation would have produced them.
         """
-        for layer_idx, (layer, kind) in enumerate(zip(cache.layers, self.kinds)):
-            # update_conv_state / update_recurrent_state copy into the layer's own buffers.
+        for layer_idx, kind in enumerate(self.kinds):
             if kind in (KV, HYBRID):
                 pieces = [piece[layer_idx] for piece in kv_pieces if piece[layer_idx][0].shape[-2] > 0]
                 if pieces:
-                    keys = torch.cat([k for k, _ in pieces], dim=-2)
-                    values = torch.cat([v for _, v in pieces], dim=-2)
-                    layer.lazy_initialization(keys[..., :0, :], values[..., :0, :])
-                    layer.keys, layer.values = keys, values
+                    put_kv(cache, layer_idx, torch.cat([k for k, _ in pieces], dim=-2),
+                           torch.cat([v for _, v in pieces], dim=-2))
             if kind in (LINEAR, HYBRID):
                 if states is None or states[layer_idx] is None:
                     raise ValueError(f"layer {layer_idx} needs a recurrent snapshot to be restored")
-                for idx, (conv, rec) in enumerate(states[layer_idx]):
-                    if conv is not None:
-                        cache.update_conv_state(conv, layer_idx, state_idx=idx)
-                    if rec is not None:
-                        cache.update_recurrent_state(rec, layer_idx, state_idx=idx)
+                put_states(cache, layer_idx, states[layer_idx])
 
 
 @dataclass(frozen=True)
