@@ -71,6 +71,9 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
           placement: str = typer.Option("compact", help=PLACEMENT_HELP),
           allow_no_reuse: bool = typer.Option(False, help="Serve even when the model fails the prefix cache's "
                                                           "self-check (every prompt then computed in full)."),
+          responses_max: int = typer.Option(1000, help="Stored responses (/v1/responses, store: true) kept per "
+                                                       "tenant; the oldest go first."),
+          responses_ttl: float = typer.Option(3600.0, help="Seconds a stored response is kept."),
           log_level: str = typer.Option("info", help="debug, info, warning, error.")) -> None:
     """Serve the OpenAI API (chat, completions, models) plus PML schemas, tenants and /metrics."""
     import uvicorn
@@ -112,10 +115,14 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
              "serve it anyway with --allow-no-reuse (prompts computed in full)")
     try:
         app = create_app(engine, tenants=tenants, model_name=served_model_name or model, schemas_dir=schemas,
-                         request_timeout=request_timeout or None, default_max_tokens=max_tokens)
+                         request_timeout=request_timeout or None, default_max_tokens=max_tokens,
+                         responses_max=responses_max, responses_ttl_s=responses_ttl)
     except (PMLError, OSError) as exc:
         engine.close()
         fail(f"cannot load the schemas: {exc}")
+    except ValueError as exc:
+        engine.close()
+        fail(exc)
     logging.getLogger("pckernels").setLevel(level)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

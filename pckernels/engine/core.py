@@ -31,6 +31,7 @@ from pckernels.engine.loading import (default_device, default_dtype, default_kv_
 from pckernels.engine.namespaces import SchemaNamespaces
 from pckernels.engine.options import check_model_path
 from pckernels.engine.prefix_rows import EnginePrefixCache
+from pckernels.engine.prompt_logprobs import prompt_logprobs
 from pckernels.engine.request import Request, RequestHandle
 from pckernels.engine.requests import RequestBuilder, deadline_at
 from pckernels.engine.scheduler import Scheduler
@@ -43,7 +44,7 @@ from pckernels.integration.identity import model_fingerprint
 from pckernels.integration.positions import KeyRotation
 from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
-from pckernels.prefix import PrefixCache
+from pckernels.prefix import PrefixCache, encode_prompt
 from pckernels.program import ProgramCall
 from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir
 
@@ -459,6 +460,15 @@ class PromptCache:
         ``deadline_s``, ``salt``, ``tools``, or the sampling keywords instead of ``params``) as in
         :meth:`complete_request`."""
         return self.submit(self.complete_request(prompt, params, **options)).result()
+
+    def prompt_logprobs(self, prompt, top: int = 0, *, tools: list[dict] | None = None) -> tuple[list[int], list]:
+        """The prompt's token ids (tokenized as :meth:`complete` does) and each token's
+        log-probability with ``top`` alternatives (``None`` for the first): one cold causal forward
+        on the scheduler thread (``engine/prompt_logprobs.py``), equal to a plain forward's
+        ``log_softmax`` to rounding."""
+        ids = encode_prompt(self.tokenizer, prompt, tools)
+        self._requests.check_length(len(ids))
+        return ids, self.scheduler.call(lambda: prompt_logprobs(self.adapter, ids, top, self.device))
 
     def evict_resident(self) -> int:
         """Forget the module blocks the arena keeps resident for no running request (the next

@@ -18,6 +18,22 @@ HERMES_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with th
 """The tools block of Hermes / Qwen chat templates, for templates that have none of their own."""
 
 
+def render_chat(tokenizer, messages: Sequence[dict], tools: list[dict] | None = None) -> str:
+    """Chat ``messages`` as the text the model reads: the tokenizer's chat template with the
+    generation prompt, ``tools`` given to it (or, for a template that takes none, as a Hermes tools
+    block appended to the system message; one is added when there is none)."""
+    messages = list(messages)
+    if tools and "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
+        block = HERMES_TOOLS.format(tools="\n".join(json.dumps(tool) for tool in tools))
+        if messages and messages[0].get("role") == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{block}"}
+        else:
+            messages.insert(0, {"role": "system", "content": block})
+        tools = None
+    options = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **options)
+
+
 def encode_prompt(tokenizer, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``prompt``.
 
@@ -45,17 +61,7 @@ def encode_prompt(tokenizer, prompt: Prompt, tools: list[dict] | None = None) ->
     elif chat:
         if tokenizer is None:
             raise ValueError("chat messages need a tokenizer with a chat template")
-        messages = list(prompt)
-        if tools and "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
-            block = HERMES_TOOLS.format(tools="\n".join(json.dumps(tool) for tool in tools))
-            if messages and messages[0].get("role") == "system":
-                messages[0] = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{block}"}
-            else:
-                messages.insert(0, {"role": "system", "content": block})
-            tools = None
-        options = {"tools": tools} if tools else {}
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **options)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(render_chat(tokenizer, prompt, tools), add_special_tokens=False)["input_ids"]
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
     else:

@@ -45,6 +45,10 @@ class ServingEngine(Protocol):
         """A plain prompt (text, token ids or chat messages) as a request with exact prefix reuse, its
         tokens chosen by ``params``."""
 
+    def prompt_logprobs(self, prompt, top: int = 0, *, tools: list[dict] | None = None) -> tuple[list[int], list]:
+        """The prompt's token ids and their log-probabilities (``TokenLogprob``; the first's is
+        None) with ``top`` alternatives, from one cold forward (``echo`` with ``logprobs``)."""
+
     def submit(self, request: Request) -> RequestHandle:
         """Queue ``request`` on the scheduler and return its handle at once."""
 

@@ -86,6 +86,11 @@ async def generate(state: ServerState, http: Request, body, who: Tenant, *, chat
     endpoint = "chat" if chat else "completions"
     body.check_supported()
     state.check_model(body.model)
+    reply = Reply(state.fingerprint, endpoint, body, chat, state.engine.tokenizer)
+    if not chat and body.echo:
+        reply.echoes, counts = await asyncio.to_thread(_echoes, state, body, who)
+        if body.max_tokens == 0:
+            return _prompt_only(reply, body, counts)
     requests = await asyncio.to_thread(_build, state, body, who, chat)
     handles: list[RequestHandle] = []
     try:
@@ -100,7 +105,6 @@ async def generate(state: ServerState, http: Request, body, who: Tenant, *, chat
     watchers = [Watcher(handle, loop, event) for handle in handles]
     info = http.scope.setdefault("state", {})
     info["engine_request"] = handles[0].id
-    reply = Reply(state.fingerprint, endpoint, body, chat, state.engine.tokenizer)
     if body.stream:
         return StreamingResponse(_stream(state, watchers, reply, body, arrival, info), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -166,6 +170,44 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
         if error is None:
             raise
         raise error from None
+
+
+def _echoes(state: ServerState, body, who: Tenant) -> tuple[list[tuple[str, list]], list[int]]:
+    """Completions with ``echo`` (in a worker thread): per prompt its text and, with ``logprobs``,
+    its tokens' log-probabilities from one cold forward; and each prompt's token count."""
+    engine = state.engine
+    echoes, counts = [], []
+    for prompt in _completion_prompts(body.prompt):
+        try:
+            if body.logprobs is not None:
+                ids, records = engine.prompt_logprobs(prompt, body.logprobs)
+            else:
+                ids, records = (engine.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)), []
+        except Exception as exc:
+            error = request_error(exc, state.registry, who.salt, "prompt")
+            if error is None:
+                raise
+            raise error from None
+        text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
+        echoes.append((text, records))
+        counts.append(len(ids))
+    return echoes, counts
+
+
+def _prompt_only(reply: Reply, body, counts: list[int]):
+    """``echo`` with ``max_tokens=0``: the prompts alone, whole or as one stream."""
+    whole = reply.prompt_only(counts)
+    if not body.stream:
+        return whole
+
+    async def events():
+        for choice in whole["choices"]:
+            yield reply.sse({**reply._head("text_completion"), "choices": [{**choice, "finish_reason": None}]})
+            yield reply.sse(reply.chunk(None, finish_reason="length", index=choice["index"]))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield reply.sse({**reply._head("text_completion"), "choices": [], "usage": whole["usage"]})
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 OPENAI_FIELDS = {"max_new_tokens": "max_tokens"}
@@ -237,6 +279,10 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
         if reply.chat:
             for index in range(len(handles)):
                 yield reply.sse(reply.chunk({"role": "assistant", "content": ""}, index=index))
+        elif reply.echoes is not None:
+            for index in range(len(handles)):
+                echoed, records = reply.echo(index)
+                yield reply.sse(reply.chunk(echoed, records=records, index=index))
         while any(r is None for r in results):
             moved = False
             for index, handle in enumerate(handles):
@@ -293,3 +339,9 @@ def _observe(state: ServerState, endpoint: str, result, watcher: Watcher, arriva
     m.prompt_tokens.labels("computed").inc(max(0, len(result.prompt_token_ids) - result.cached_tokens))
     info.update(prompt_tokens=len(result.prompt_token_ids), cached_tokens=result.cached_tokens,
                 completion_tokens=len(result.token_ids), ttft_ms=round(result.ttft_s * 1e3, 2), mode=result.mode)
+
+
+compile_constraint = _grammar
+"""The compiled constraint of a chat-shaped body (``responses.py`` shares it)."""
+observe = _observe
+"""Record one answer's timings and token counts (``responses.py`` shares it)."""

@@ -28,12 +28,14 @@ def chat_logprobs(records: list[TokenLogprob], tokenizer) -> dict:
 
 def completion_logprobs(records: list[TokenLogprob], tokenizer, offset: int = 0) -> dict:
     """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``; ``offset``: the text offset
-    of the first token (in the streamed answer so far)."""
+    of the first token (in the streamed answer so far). An echoed prompt's first token has no
+    log-probability: ``None`` in ``token_logprobs`` and ``top_logprobs``."""
     tokens = [_text(tokenizer, r.token) for r in records]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
-            "top_logprobs": [{_text(tokenizer, t): lp for t, lp in r.top} for r in records],
+            "top_logprobs": [None if r.logprob is None else {_text(tokenizer, t): lp for t, lp in r.top}
+                             for r in records],
             "text_offset": offsets}

@@ -211,7 +211,8 @@ class CompletionRequest(_Sampling):
     calls_tools: ClassVar[bool] = False
 
     prompt: str | list[int] | list[str] | None = None
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)
+    """0 only with ``echo``: the prompt alone, no answer."""
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -222,8 +223,13 @@ class CompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo or self.suffix or (self.best_of or 1) != 1:
-            raise APIError(400, "echo, suffix and best_of are not supported", param="echo")
+        if self.suffix or (self.best_of or 1) != 1:
+            raise APIError(400, "suffix and best_of are not supported", param="suffix" if self.suffix else "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)",
+                           param="max_tokens")
+        if self.echo and self.pml is not None:
+            raise APIError(400, "echo applies to a plain prompt, not to a PML prompt", param="echo")
 
 
 class TokenizeRequest(BaseModel):

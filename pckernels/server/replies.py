@@ -27,17 +27,23 @@ class Reply:
         self.n = body.n
         self.wants_logprobs = body.logprob_count() is not None
         self.calls_tools = body.calls_tools
-        self._offset = 0
+        self.echoes: list[tuple[str, list]] | None = None
+        """Completions with ``echo``: per prompt its text and its tokens' records (empty without logprobs)."""
+        self._offset: dict[int, int] = {}
 
-    def logprobs(self, records) -> dict | None:
-        """The ``logprobs`` of a choice holding ``records`` (None when the request asked for none)."""
+    def logprobs(self, records, index: int = 0) -> dict | None:
+        """The ``logprobs`` of choice ``index`` holding ``records`` (None when the request asked for none)."""
         if not self.wants_logprobs:
             return None
         if self.chat:
             return chat_logprobs(records, self.tokenizer)
-        out = completion_logprobs(records, self.tokenizer, self._offset)
-        self._offset += sum(len(t) for t in out["tokens"])
+        out = completion_logprobs(records, self.tokenizer, self._offset.get(index, 0))
+        self._offset[index] = self._offset.get(index, 0) + sum(len(t) for t in out["tokens"])
         return out
+
+    def echo(self, index: int) -> tuple[str, list]:
+        """The echoed prompt of choice ``index``: its text and records (``("", [])`` without echo)."""
+        return self.echoes[index // self.n] if self.echoes is not None else ("", [])
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -65,8 +71,8 @@ class Reply:
         choices = []
         for index, result in enumerate(results):
             reason = finish_reason(result.finish_reason)
-            logprobs = self.logprobs(result.logprobs or [])
-            self._offset = 0
+            echoed, prompt_records = self.echo(index)
+            logprobs = self.logprobs(prompt_records + (result.logprobs or []), index)
             if self.chat:
                 message = {"role": "assistant", "content": result.text, "refusal": None}
                 if self.calls_tools:
@@ -76,14 +82,15 @@ class Reply:
                         reason = "tool_calls"
                 choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs})
             else:
-                choices.append({"index": index, "text": result.text, "finish_reason": reason, "logprobs": logprobs})
+                choices.append({"index": index, "text": echoed + result.text, "finish_reason": reason,
+                                "logprobs": logprobs})
         head = self._head("chat.completion" if self.chat else "text_completion")
         return {**head, "choices": choices, "usage": self.usage(results), "promptcache": self.extension(results)}
 
     def chunk(self, delta, finish_reason: str | None = None, records=None, index: int = 0) -> dict:
         """A stream chunk of choice ``index``: ``delta`` text (a dict for chat's first chunk), the
         ``records`` of the tokens it carries (their log-probabilities, when asked)."""
-        logprobs = self.logprobs(records) if records else None
+        logprobs = self.logprobs(records, index) if records else None
         if self.chat:
             content = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
             choice = {"index": index, "delta": content, "finish_reason": finish_reason, "logprobs": logprobs}
@@ -109,6 +116,19 @@ class Reply:
             chunks.append(self.chunk(rest, index=index))
         chunks.append(self.chunk(None, finish_reason=reason, index=index))
         return chunks
+
+    def prompt_only(self, prompt_tokens: list[int]) -> dict:
+        """The whole answer of ``echo`` with ``max_tokens=0``: each prompt echoed, nothing generated
+        (``prompt_tokens``: each prompt's token count)."""
+        choices = []
+        for index in range(len(self.echoes) * self.n):
+            text, records = self.echo(index)
+            choices.append({"index": index, "text": text, "finish_reason": "length",
+                            "logprobs": self.logprobs(records, index)})
+        prompt = sum(prompt_tokens)
+        usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        return {**self._head("text_completion"), "choices": choices, "usage": usage}
 
     def usage_chunk(self, results: list) -> dict:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")

@@ -1,4 +1,4 @@
-"""The HTTP routes: health and readiness, metrics, models, completions and schemas."""
+"""The HTTP routes: health and readiness, metrics, models, completions, responses and schemas."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pckernels.server.errors import no_schema, pml_error, validation_message
 from pckernels.server.generation import generate
 from pckernels.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        SchemaUpload, TokenizeRequest)
+from pckernels.server.responses import ResponsesRequest, create_response, stored_response
 from pckernels.server.schemas import ENCODING, FAILED
 from pckernels.server.state import ServerState
 from pckernels.server.tenants import Tenant
@@ -62,6 +63,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, who: Tenant = Depends(tenant)):
         return await generate(state, request, body, who, chat=False)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request, who: Tenant = Depends(tenant)):
+        return await create_response(state, request, body, who)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, who: Tenant = Depends(tenant)):
+        return stored_response(state, response_id, who)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, _: Tenant = Depends(tenant)):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pckernels.server.engine import ServingEngine
 from pckernels.server.metrics import ServerMetrics
 from pckernels.server.protocol import APIError
+from pckernels.server.response_store import ResponseStore
 from pckernels.server.schemas import SchemaRecord, SchemaRegistry
 from pckernels.server.tenants import Tenants
 
@@ -26,6 +27,8 @@ class ServerState:
     startup: list[SchemaRecord] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     stopping: bool = False
+    responses: ResponseStore = field(default_factory=ResponseStore)
+    """Stored responses of ``/v1/responses`` (``store: true``), per tenant."""
 
     @property
     def fingerprint(self) -> str:
