@@ -8,9 +8,9 @@ the engine and the server all build on it without reaching into each other.
 from pckernels.generation.choice import TokenChoice, TokenLogprob
 from pckernels.generation.result import GenerationResult
 from pckernels.generation.sampling import SamplingParams, make_generator, select_token
-from pckernels.generation.stops import StopChecker, eos_token_ids
-from pckernels.generation.text import TextStream
+from pckernels.generation.stops import eos_token_ids, first_stop
+from pckernels.generation.text import Detokenizer, TextStream
 
-__all__ = ["GenerationResult", "SamplingParams", "StopChecker", "TextStream", "TokenChoice", "TokenLogprob",
-           "eos_token_ids",
+__all__ = ["Detokenizer", "GenerationResult", "SamplingParams", "TextStream", "TokenChoice", "TokenLogprob",
+           "eos_token_ids", "first_stop",
            "make_generator", "select_token"]
