@@ -39,8 +39,9 @@ REPLACEMENT = "\ufffd"
 """What a tokenizer decodes an incomplete (or invalid) UTF-8 sequence to."""
 
 MAX_PENDING = 8
-"""Tokens held back (their text ends in ``\\ufffd``) before the detokenizer looks for a clean point
-inside them to move its window to, so that a run of odd bytes cannot grow the window for long."""
+"""Every this many tokens held back (their text ends in ``\\ufffd``, or adds nothing), the
+detokenizer looks for a clean point inside them to move its window to, so that a run of odd bytes
+cannot grow the window for long (a run of special tokens, which decode to nothing, still does)."""
 
 
 class Detokenizer:
@@ -74,7 +75,7 @@ class Detokenizer:
         # run of bytes into one replacement each, spaces cleaned up across the window's start):
         # what differs from the context is pending, and the window waits for a clean point.
         self.pending = new if new is not None else window[len(os.path.commonprefix([window, prefix])):]
-        if len(self.ids) - self.read_offset > MAX_PENDING:
+        if (len(self.ids) - self.read_offset) % MAX_PENDING == 0:
             return self._advance_inside(window)
         return ""
 
