@@ -113,20 +113,22 @@ def test_a_request_on_cuda_makes_no_hidden_sync(tokenizer, monkeypatch):  # noqa
     the step's readout raises in the scheduler thread and fails the request."""
     from pckernels.engine import graphs
 
-    original = graphs.readout
-
-    def allowed(logits):
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return original(logits)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
+    def allowed(original):
+        """The readout, and a bucket's one-time capture (``torch.cuda.graph`` synchronises)."""
+        def call(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+        return call
 
     pc = PromptCache(tiny_llama(len(tokenizer)).cuda(), tokenizer, device="cuda", placement="schema")
     pc.add_schema(schema(tokenizer, 100))
     pc.generate(prompt(100), max_new_tokens=2)
     pc.evict_resident()
-    monkeypatch.setattr(graphs, "readout", allowed)
+    monkeypatch.setattr(graphs, "readout", allowed(graphs.readout))
+    monkeypatch.setattr(graphs.StaticStep, "_capture", allowed(graphs.StaticStep._capture))
     request = pc.request(prompt(100), max_new_tokens=6)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -136,3 +138,5 @@ def test_a_request_on_cuda_makes_no_hidden_sync(tokenizer, monkeypatch):  # noqa
         torch.cuda.set_sync_debug_mode(0)
         pc.close()
     assert len(result.token_ids) == 6
+    static = pc.scheduler.runner.static
+    assert static is not None and static.failed is None and static.replays > 0

@@ -3,8 +3,10 @@
 Every running request's keys and values live in rows of one
 :class:`~pckernels.engine.arena.KVArena`: module blocks once and shared, each request's own rows
 for its new and decoded tokens (:mod:`~pckernels.engine.placement`). A step packs every request's
-tokens into one forward with a per-request mask (:mod:`~pckernels.engine.step`); a rejected
-draft's rows need nothing undone, their positions hide them.
+tokens into one forward with a per-request mask (:mod:`~pckernels.engine.step`) — with bucketed
+static shapes, captured as a CUDA graph on CUDA (:mod:`~pckernels.engine.graphs`) — and reads the
+logits of all its requests back once (``graphs.readout``); a rejected draft's rows need nothing
+undone, their positions hide them.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
+from pckernels.engine import graphs
 from pckernels.engine.arena import KVArena
 from pckernels.engine.buffer import BufferCache
-from pckernels.engine import graphs
 from pckernels.engine.context import EngineContext
 from pckernels.engine.graphs import StaticStep, StepGraphs
 from pckernels.engine.placement import Placer

@@ -174,8 +174,8 @@ class StaticStep:
         qb = token_bucket(q)
         eb = row_bucket(extent, self.arena.capacity, self.options.min_rows)
         pad = qb - q
-        host = stage([ids + [0] * pad, positions + [0] * pad, rows + [self.scratch] * pad,
-                      keep + [0] * (qb - len(keep))], torch.long, self.device)
+        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, rows + [self.scratch] * pad,
+                             keep + [0] * (qb - len(keep))], dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.inputs[:, :qb].copy_(host, non_blocking=True)
         bias = self.bias[:qb * eb].view(qb, eb)
         bias[q:].zero_()
@@ -214,7 +214,7 @@ class StaticStep:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = dynamic_forward(adapter, cache, ids, positions, rows, extent, spec, keep)
         except Exception as exc:  # capture is an optimisation: the step runs eager instead
             frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None

@@ -10,6 +10,9 @@ to their requests, and builds the mask: each query sees, by schema position, its
 visible rows only — its modules' rows and its own — never another request's; reference-mode
 requests bring the oracle's explicit mask. :meth:`StepPlan.run` is the forward; it returns the
 logits of the tokens that choose a next token, which :meth:`StepPlan.outputs` hands back per item.
+Given a :class:`~pckernels.engine.graphs.StaticStep`, a step within its buckets is built into its
+static buffers, padded, and run by it (captured on CUDA). Inputs reach the device without a host
+wait (:func:`~pckernels.engine.graphs.stage`); sizes come from host lists.
 """
 
 from __future__ import annotations
