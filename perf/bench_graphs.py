@@ -16,7 +16,10 @@ Three parts, each timed round-robin (median of ``--repeats``) so drift hits the 
 * ``syncs`` (CUDA): one request under ``torch.cuda.set_sync_debug_mode("warn")``: every
   synchronising call but the step's readout, by file and line (expected: none).
 
-Prints one JSON object (also written to ``--out`` when given).
+Prints one JSON object (also written to ``--out`` when given). On a lent GPU (a few minutes):
+
+    python -m perf.bench_graphs --gpu --out perf/results/<device>/graphs/bench.json
+    python -m pytest -q -p no:cacheprovider tests/test_step_syncs.py tests/test_step_graphs.py -k cuda
 """
 
 from __future__ import annotations

@@ -161,3 +161,22 @@ def test_the_captured_step_answers_as_the_dynamic_one_on_cuda(tokenizer):  # noq
         got = captured[key]
         assert got.token_ids == want.token_ids, key
         assert (got.first_logits - want.first_logits).abs().max().item() <= TOL, key
+
+
+def test_a_capture_that_fails_is_logged_once_and_the_step_runs_eager(tokenizer, caplog):  # noqa: F811
+    """Capture breaking (here: no CUDA at all, forced past the option check) names the exception
+    and where it was raised, once; every step still answers, with static shapes."""
+    pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, placement="schema", step_graphs="static")
+    pc.add_schema(SCHEMA)
+    want = pc.generate(PROMPTS["nested"], max_new_tokens=4)
+    pc.scheduler.runner.graph_mode = "captured"
+    pc.evict_resident()
+    with caplog.at_level("WARNING", logger="pckernels.engine.graphs"):
+        got = pc.generate(PROMPTS["nested"], max_new_tokens=4)
+    static = pc.scheduler.runner.static
+    pc.close()
+    assert static.capture and static.failed is not None and static.captures == 0
+    failures = [r for r in caplog.records if "capture" in r.getMessage()]
+    assert len(failures) == 1 and " at " in failures[0].getMessage() and static.failed in failures[0].getMessage()
+    assert got.token_ids == want.token_ids
+    assert (got.first_logits - want.first_logits).abs().max().item() <= TOL

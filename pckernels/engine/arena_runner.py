@@ -77,7 +77,8 @@ class ArenaRunner:
             except MemoryError:
                 return None
             self.static = StaticStep(self.arena, self.ctx.dtype, torch.device(self.ctx.device), scratch,
-                                     self.graphs, capture=self.graph_mode == "captured")
+                                     self.graphs, capture=False)
+        self.static.capture = self.graph_mode == "captured"  # the mode may change between steps
         return self.static
 
     def fork(self, lead: ArenaRequest, handle: RequestHandle, choice: TokenChoice) -> ArenaRequest:

@@ -217,9 +217,7 @@ class StaticStep:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = dynamic_forward(adapter, cache, ids, positions, rows, extent, spec, keep)
         except Exception as exc:  # capture is an optimisation: the step runs eager instead
-            frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-            where = f" at {frame.filename}:{frame.lineno} ({frame.name})" if frame else ""
-            self.failed = f"{type(exc).__name__}: {exc}{where}"
+            self.failed = f"{type(exc).__name__}: {exc}{_where(exc)}"
             log.warning("CUDA graph capture of the step failed; steps run eager with static shapes: %s",
                         self.failed)
             self._graphs.clear()
@@ -227,3 +225,17 @@ class StaticStep:
         self.captures += 1
         log.debug("captured the step for %d tokens over %d rows", ids.shape[1], extent)
         return graph, out
+
+
+def _where(exc: BaseException) -> str:
+    """`` at file:line (function)`` of the innermost frame of ``exc``, and of the innermost one
+    outside torch itself when they differ (the model's line that called the op)."""
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    if not frames:
+        return ""
+    inner = frames[-1]
+    text = f" at {inner.filename}:{inner.lineno} ({inner.name})"
+    caller = next((f for f in reversed(frames) if "/torch/" not in f.filename), None)
+    if caller is not None and caller is not inner:
+        text += f", called from {caller.filename}:{caller.lineno} ({caller.name}): {(caller.line or '').strip()}"
+    return text
