@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from pckernels.engine import PromptCache
+from pckernels.engine.config import EngineConfig
+from pckernels.errors import OptionError
 from pckernels.engine.graphs import StaticStep, StepGraphs, row_bucket, token_bucket
 from test_engine import PROMPTS, SCHEMA, tiny_llama, tokenizer  # noqa: F401  (fixture)
 
@@ -46,6 +48,13 @@ def test_options_are_checked_before_anything_runs(tokenizer):  # noqa: F811
     assert StepGraphs().resolved(torch.device("cuda")) == "captured"
     with pytest.raises(ValueError, match="needs a CUDA device"):
         PromptCache(tiny_llama(len(tokenizer)), tokenizer, step_graphs="captured")
+    with pytest.raises(OptionError) as refused:
+        EngineConfig(step_graphs="sometimes")
+    assert refused.value.option == "step_graphs"
+    with pytest.raises(OptionError, match="needs a CUDA device"):
+        EngineConfig(device="cpu", step_graphs="captured")
+    assert EngineConfig(step_graphs="static").step_graphs == StepGraphs("static")
+    assert EngineConfig().step_graphs == StepGraphs()
 
 
 def run_mixed(pc: PromptCache) -> dict:
