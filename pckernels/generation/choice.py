@@ -20,7 +20,7 @@ import torch
 
 from pckernels.generation.result import GenerationResult
 from pckernels.generation.sampling import SamplingParams, make_generator, select_token
-from pckernels.generation.stops import StopChecker
+from pckernels.generation.text import TextStream
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,10 @@ class TokenChoice:
         self.max_positions = max_positions
         self.started = time.perf_counter() if started is None else started
         self.generator = make_generator(params.seed)
-        self.stopper = StopChecker(tokenizer, list(params.stop) if tokenizer is not None else [], eos_ids)
+        self.eos_ids = eos_ids
+        self.answer = TextStream(tokenizer, params.stop) if tokenizer is not None else None
+        """The answer's text, built as the stream builds it (the same stop cut), fed a token at a
+        time: at each choice when the request has stop strings, else when :meth:`text` is asked."""
         self.token_ids: list[int] = []
         self.first_logits: torch.Tensor | None = None
         """float32 ``[vocab]`` (CPU): the model's logits before the first token was chosen (before any
@@ -92,7 +95,13 @@ class TokenChoice:
             self._counts[token] += 1
         if self.matcher is not None:
             self.matcher.accept(token)
-        done, reason = self.stopper.check(self.token_ids)
+        done, reason = False, ""
+        if token in self.eos_ids:
+            done, reason = True, "eos"
+        elif self.answer is not None and self.answer.stops:
+            self.answer.push((token,))
+            if self.answer.stopped:
+                done, reason = True, "stop"
         if not done and (len(self.token_ids) >= self.params.max_new_tokens
                          or (self.max_positions is not None and next_position + 1 >= self.max_positions)):
             done, reason = True, "length"
@@ -119,9 +128,13 @@ class TokenChoice:
 
     def text(self) -> str:
         """The answer's text, cut at the first stop string (``""`` without a tokenizer)."""
-        if self.tokenizer is None:
+        if self.answer is None:
             return ""
-        return self.stopper.trim(self.tokenizer.decode(self.token_ids, skip_special_tokens=True))
+        answer = self.answer
+        if not answer.finished:
+            answer.push(self.token_ids[len(answer.detok.ids):])
+            answer.finish()
+        return answer.text
 
     def result(self, prompt_token_ids: list[int], positions: list[int], *, cached_tokens: int,
                computed_tokens: int, mode: str) -> GenerationResult:

@@ -4,7 +4,8 @@ event loop and answered whole or streamed as server-sent events; a client that g
 The engine request is built in a worker thread (bad input raises there and changes nothing). The
 scheduler runs on its own thread; a :class:`Watcher` registers a listener on the request's handle
 that wakes the loop (``call_soon_threadsafe``) after every token, so no thread is parked per
-request (text deltas come from :class:`pckernels.generation.text.TextStream`).
+request. Text deltas come from :class:`pckernels.generation.text.TextStream` fed the request's
+own stop strings: the routine that builds the result's text, so the deltas join to it exactly.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pckernels.server.errors import SUBMIT_ERRORS, request_error, run_error, sub
 from pckernels.server.protocol import APIError
 from pckernels.server.replies import Reply, finish_reason
 from pckernels.server.state import ServerState
-from pckernels.server.tools import check_tools, forced, may_be_a_call, template_messages
+from pckernels.server.tools import OPEN, check_tools, forced, may_be_a_call, template_messages
 from pckernels.server.tenants import Tenant
 
 __all__ = ["Watcher", "generate"]
@@ -33,7 +34,8 @@ __all__ = ["Watcher", "generate"]
 
 class Watcher:
     """Awaits the tokens of one :class:`RequestHandle` on ``loop``; records when each arrived.
-    Watchers of one request's several answers share ``event`` (set when any of them moves)."""
+    Watchers of one request's several answers share ``event`` (set when any of them moves), so
+    :meth:`wait` on any of them wakes when any answer moves."""
 
     def __init__(self, handle: RequestHandle, loop: asyncio.AbstractEventLoop, event: asyncio.Event | None = None) -> None:
         self.handle = handle
@@ -58,18 +60,19 @@ class Watcher:
             return
         self._event.clear()
 
+    def take(self) -> list[int] | None:
+        """Tokens chosen since the last call, without waiting (``[]`` when none came); ``None`` once
+        the request has ended and every token was taken."""
+        ended = self.handle.done
+        tokens = self.handle.take()
+        return tokens if tokens or not ended else None
+
     async def tokens(self, timeout: float | None = None) -> list[int] | None:
-        """Tokens chosen since the last call, waiting up to ``timeout`` for one (``[]`` when none
-        came); ``None`` once the request has ended and every token was taken."""
-        tokens = self.handle.take()
-        if tokens:
-            return tokens
-        if self.handle.done:
-            return self.handle.take() or None
-        await self.wait(timeout)
-        tokens = self.handle.take()
-        if not tokens and self.handle.done:
-            return self.handle.take() or None
+        """Like :meth:`take`, waiting up to ``timeout`` for a token when none is there yet."""
+        tokens = self.take()
+        if tokens == []:
+            await self.wait(timeout)
+            tokens = self.take()
         return tokens
 
     def gaps(self, n_tokens: int) -> list[float]:
@@ -265,16 +268,42 @@ def _completion_prompts(prompt) -> list:
     return [prompt]
 
 
+class _Answer:
+    """One answer's stream: its watcher, its text (:class:`TextStream`, with the request's own stop
+    strings, so the deltas join to the result's text) and what of it was sent."""
+
+    def __init__(self, watcher: Watcher, tokenizer, calls_tools: bool) -> None:
+        self.watcher = watcher
+        self.text = TextStream(tokenizer, watcher.handle.request.params.stop)
+        self.sent = 0
+        """Tokens whose log-probabilities were sent."""
+        self.shown = 0
+        """Characters of the answer sent as content."""
+        self.call: bool | None = None if calls_tools else False
+        """Whether the answer is tool calls (held back to the end), ``None`` while it may still be."""
+
+    def push(self, tokens: list[int]) -> str:
+        """The content to send after ``tokens`` (an answer that may become tool calls sends none)."""
+        self.text.push(tokens)
+        if self.call is None:
+            so_far = self.text.emitted
+            if not may_be_a_call(so_far):
+                self.call = False
+            elif so_far.lstrip().startswith(OPEN):
+                self.call = True
+        if self.call is not False:
+            return ""
+        delta = self.text.since(self.shown)
+        self.shown += len(delta)
+        return delta
+
+
 async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, body, arrival: float, info: dict):
     """Server-sent events of every answer as its tokens come (a chunk names its choice's ``index``),
     then each answer's end, usage when asked, and ``[DONE]``."""
     handles = [w.handle for w in watchers]
-    texts = [TextStream(state.engine.tokenizer, body.stops()) for _ in handles]
-    sent = [0] * len(handles)
-    shown = [0] * len(handles)
-    """Characters of each answer sent (an answer that may become tool calls is held back)."""
+    answers = [_Answer(watcher, state.engine.tokenizer, reply.calls_tools) for watcher in watchers]
     results: list = [None] * len(handles)
-    event = watchers[0]._event
     try:
         if reply.chat:
             for index in range(len(handles)):
@@ -285,22 +314,19 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
                 yield reply.sse(reply.chunk(echoed, records=records, index=index))
         while any(r is None for r in results):
             moved = False
-            for index, handle in enumerate(handles):
+            for index, answer in enumerate(answers):
                 if results[index] is not None:
                     continue
-                done = handle.done
-                tokens = handle.take()
+                handle = answer.watcher.handle
+                tokens = answer.watcher.take()
                 if tokens:
                     moved = True
-                    texts[index].push(tokens)
-                    emitted = texts[index].emitted
-                    delta = "" if reply.calls_tools and may_be_a_call(emitted) else emitted[shown[index]:]
-                    shown[index] += len(delta)
+                    delta = answer.push(tokens)
                     if delta or reply.wants_logprobs:
-                        records = handle.logprobs[sent[index]:sent[index] + len(tokens)]
-                        sent[index] += len(tokens)
+                        records = handle.logprobs[answer.sent:answer.sent + len(tokens)]
+                        answer.sent += len(tokens)
                         yield reply.sse(reply.chunk(delta, records=records, index=index))
-                if done and not tokens:
+                elif tokens is None:
                     moved = True
                     try:
                         results[index] = result = handle.result(timeout=0)
@@ -309,12 +335,11 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
                         info["error"] = error.code
                         yield reply.sse(error.body())
                         return
-                    texts[index].finish(result.text)
-                    for chunk in reply.ending(result, texts[index].emitted[shown[index]:], shown[index], index):
+                    answer.text.finish(result.text)
+                    for chunk in reply.ending(result, answer.text.since(answer.shown), answer.shown, index):
                         yield reply.sse(chunk)
             if not moved:
-                await event.wait()
-                event.clear()
+                await watchers[0].wait()
         if body.stream_options is not None and body.stream_options.include_usage:
             yield reply.sse(reply.usage_chunk(results))
         yield "data: [DONE]\n\n"

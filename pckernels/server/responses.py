@@ -343,11 +343,13 @@ async def _events(state: ServerState, answer: _Answer, watcher: Watcher, who: Te
     """The typed events of one streamed response: created, in progress, the message item's text
     deltas (held back while the answer may still become tool calls), the items done, completed."""
     handle = watcher.handle
-    texts = TextStream(state.engine.tokenizer, [])
+    texts = TextStream(state.engine.tokenizer, handle.request.params.stop)
     item_id = "msg_" + uuid.uuid4().hex[:24]
     opened = False
-    shown = ""
-    tools = bool(answer.turn.tools)
+    shown = 0
+    """Characters of the answer sent as text deltas."""
+    held = bool(answer.turn.tools)
+    """Whether the answer may still become tool calls (then nothing is sent until it cannot)."""
 
     def open_message():
         yield answer.event("response.output_item.added", output_index=0,
@@ -366,17 +368,18 @@ async def _events(state: ServerState, answer: _Answer, watcher: Watcher, who: Te
             if not tokens:
                 continue
             texts.push(tokens)
-            emitted = texts.emitted
-            if tools and may_be_a_call(emitted):
-                continue
-            delta = emitted[len(shown):]
+            if held:
+                if may_be_a_call(texts.emitted):
+                    continue
+                held = False
+            delta = texts.since(shown)
             if not delta:
                 continue
             if not opened:
                 opened = True
                 for event in open_message():
                     yield event
-            shown += delta
+            shown += len(delta)
             yield answer.event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
                                delta=delta, logprobs=[])
         try:
@@ -389,15 +392,15 @@ async def _events(state: ServerState, answer: _Answer, watcher: Watcher, who: Te
         texts.finish(result.text)
         whole = answer.finish(who, result)
         output = whole["output"]
-        if output and output[0]["type"] == "message" and (opened or not tools or len(output) == 1):
+        if output and output[0]["type"] == "message":
             output[0]["id"] = item_id
             text = output[0]["content"][0]["text"]
             if not opened:
                 for event in open_message():
                     yield event
-            if text[len(shown):]:
+            if text[shown:]:
                 yield answer.event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                                   delta=text[len(shown):], logprobs=[])
+                                   delta=text[shown:], logprobs=[])
             part = output[0]["content"][0]
             yield answer.event("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
                                text=text, logprobs=[])
