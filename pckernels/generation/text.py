@@ -12,8 +12,9 @@ from __future__ import annotations
 class TextStream:
     """Text deltas of a growing list of token ids; see the module docstring."""
 
-    def __init__(self, tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer, stops: list[str], *, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.ids: list[int] = []
@@ -22,7 +23,7 @@ class TextStream:
     def push(self, tokens: list[int]) -> str:
         """The new text that is safe to send after ``tokens``."""
         self.ids.extend(tokens)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         if text.endswith("\ufffd"):
             return ""
         cut = min((text.find(s) for s in self.stops if s in text), default=-1)

@@ -18,7 +18,8 @@ HERMES_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with th
 """The tools block of Hermes / Qwen chat templates, for templates that have none of their own."""
 
 
-def encode_prompt(tokenizer, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt: Prompt, tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
     """Token ids of ``prompt``.
 
     Text is encoded with the tokenizer's special tokens; token ids pass through (a 1-D tensor
@@ -26,7 +27,8 @@ def encode_prompt(tokenizer, prompt: Prompt, tools: list[dict] | None = None) ->
     rendered with the tokenizer's chat template plus the generation prompt, then encoded
     without adding special tokens again. ``tools`` (OpenAI's function definitions) go to the
     template; a template that does not take tools gets them as a Hermes tools block appended to
-    the system message (one is added when there is none).
+    the system message (one is added when there is none). ``template_kwargs``: extra variables
+    for the template (chat messages only).
     """
     chat = (isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt)
             and all(isinstance(m, dict) for m in prompt))
@@ -53,7 +55,7 @@ def encode_prompt(tokenizer, prompt: Prompt, tools: list[dict] | None = None) ->
             else:
                 messages.insert(0, {"role": "system", "content": block})
             tools = None
-        options = {"tools": tools} if tools else {}
+        options = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **options)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

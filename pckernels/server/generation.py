@@ -156,7 +156,9 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
                            "in the 'pml' field)", param="messages" if chat else "prompt")
         prompts = [template_messages(body.messages)] if chat else _completion_prompts(body.prompt)
         salt = who.salt if body.cache_salt is None else cache_salt(who.salt, body.cache_salt)
-        return [engine.complete_request(prompt, params, reuse=body.cache, deadline_s=deadline_s, salt=salt, tools=tools)
+        template = template_kwargs(engine.tokenizer, body) if chat else None
+        return [engine.complete_request(prompt, params, reuse=body.cache, deadline_s=deadline_s, salt=salt, tools=tools,
+                                        chat_template_kwargs=template)
                 for prompt in prompts]
     except APIError:
         raise
@@ -183,9 +185,28 @@ def sampling(state: ServerState, body, chat: bool) -> SamplingParams:
                               logit_bias=body.bias(len(state.engine.tokenizer)) or (),
                               presence_penalty=body.presence_penalty or 0.0,
                               frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.logprob_count(),
-                              n=body.n)
+                              n=body.n, top_k=0 if body.top_k is None else body.top_k,
+                              min_p=0.0 if body.min_p is None else body.min_p,
+                              repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                              min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
+                              stop_token_ids=tuple(body.stop_token_ids or ()),
+                              skip_special_tokens=body.skip_special_tokens,
+                              include_stop_str_in_output=body.include_stop_str_in_output)
     except OptionError as exc:
         raise APIError(400, str(exc), param=OPENAI_FIELDS.get(exc.option, exc.option)) from None
+
+
+def template_kwargs(tokenizer, body) -> dict | None:
+    """The extra chat-template variables of a chat ``body``: its ``chat_template_kwargs``, and its
+    ``reasoning_effort`` when the template reads that variable (ignored otherwise, as it cannot
+    change the prompt)."""
+    out = dict(body.chat_template_kwargs or {})
+    template = getattr(tokenizer, "chat_template", None)
+    text = template if isinstance(template, str) else " ".join(map(str, (template or {}).values())) \
+        if isinstance(template, dict) else ""
+    if body.reasoning_effort is not None and "reasoning_effort" in text:
+        out.setdefault("reasoning_effort", body.reasoning_effort)
+    return out or None
 
 
 def _grammar(engine, body):
@@ -227,7 +248,8 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
     """Server-sent events of every answer as its tokens come (a chunk names its choice's ``index``),
     then each answer's end, usage when asked, and ``[DONE]``."""
     handles = [w.handle for w in watchers]
-    texts = [TextStream(state.engine.tokenizer, body.stops()) for _ in handles]
+    texts = [TextStream(state.engine.tokenizer, body.stops(), skip_special_tokens=body.skip_special_tokens)
+             for _ in handles]
     sent = [0] * len(handles)
     shown = [0] * len(handles)
     """Characters of each answer sent (an answer that may become tool calls is held back)."""
