@@ -71,6 +71,9 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
           placement: str = typer.Option("compact", help=PLACEMENT_HELP),
           allow_no_reuse: bool = typer.Option(False, help="Serve even when the model fails the prefix cache's "
                                                           "self-check (every prompt then computed in full)."),
+          tool_call_parser: str = typer.Option("auto", help="Tool-call format parsed from answers: hermes, "
+                                                            "llama3_json, mistral, pythonic, or auto (the one "
+                                                            "the chat template teaches)."),
           log_level: str = typer.Option("info", help="debug, info, warning, error.")) -> None:
     """Serve the OpenAI API (chat, completions, models) plus PML schemas, tenants and /metrics."""
     import uvicorn
@@ -78,6 +81,10 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
     from pckernels.errors import PMLError
     from pckernels.server import Tenants, create_app, load_keys, server_secret
     from pckernels.server.tenants import SECRET_ENV
+    from pckernels.server.tool_parsers import PARSERS
+
+    if tool_call_parser not in ("auto", *PARSERS):
+        fail(f"--tool-call-parser must be auto or one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
     from pckernels.store import default_store_dir
 
     level = getattr(logging, log_level.upper(), None)
@@ -112,7 +119,8 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
              "serve it anyway with --allow-no-reuse (prompts computed in full)")
     try:
         app = create_app(engine, tenants=tenants, model_name=served_model_name or model, schemas_dir=schemas,
-                         request_timeout=request_timeout or None, default_max_tokens=max_tokens)
+                         request_timeout=request_timeout or None, default_max_tokens=max_tokens,
+                         tool_call_parser=tool_call_parser)
     except (PMLError, OSError) as exc:
         engine.close()
         fail(f"cannot load the schemas: {exc}")

@@ -176,8 +176,8 @@ class TokenChoice:
             return ""
         params = self.params
         ids = self.token_ids
-        if self.stopped_by_id and not params.include_stop_str_in_output:
-            ids = ids[:-1]
+        if (self.stopped_by_id or self.finish_reason == "eos") and not params.include_stop_str_in_output:
+            ids = ids[:-1]  # as vLLM: the stop id's (or EOS's) text is not the answer's
         text = self._decode(ids)
         if self.stop_match is not None:
             at, stop = self.stop_match

@@ -25,7 +25,8 @@ from pckernels.server.errors import SUBMIT_ERRORS, request_error, run_error, sub
 from pckernels.server.protocol import APIError
 from pckernels.server.replies import Reply, finish_reason
 from pckernels.server.state import ServerState
-from pckernels.server.tools import check_tools, forced, may_be_a_call, template_messages
+from pckernels.server.tool_parsers import HermesParser
+from pckernels.server.tools import check_tools, forced, template_messages
 from pckernels.server.tenants import Tenant
 
 __all__ = ["Watcher", "generate"]
@@ -100,7 +101,9 @@ async def generate(state: ServerState, http: Request, body, who: Tenant, *, chat
     watchers = [Watcher(handle, loop, event) for handle in handles]
     info = http.scope.setdefault("state", {})
     info["engine_request"] = handles[0].id
-    reply = Reply(state.fingerprint, endpoint, body, chat, state.engine.tokenizer)
+    forced_call = chat and body.calls_tools and (body.tool_choice == "required" or isinstance(body.tool_choice, dict))
+    reply = Reply(state.fingerprint, endpoint, body, chat, state.engine.tokenizer,
+                  HermesParser() if forced_call else state.tool_parser)
     if body.stream:
         return StreamingResponse(_stream(state, watchers, reply, body, arrival, info), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -127,7 +130,7 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
     engine = state.engine
     params = sampling(state, body, chat)
     grammar = _grammar(engine, body)
-    tools = None
+    tools = lark = None
     if chat:
         tools = check_tools(body.tools, body.tool_choice) if body.tool_choice != "none" else None
         lark = forced(tools, body.tool_choice, body.parallel_tool_calls) if tools else None
@@ -142,6 +145,8 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
                                code="invalid_grammar") from None
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
+    if tools and lark is None and state.tool_parser.name == "mistral":
+        params = dataclasses.replace(params, skip_special_tokens=False)  # as vLLM: [TOOL_CALLS] is a special token
     deadline_s = body.timeout_s or state.request_timeout
     plain = (chat and body.messages) or (not chat and body.prompt not in (None, "", []))
     try:
@@ -250,6 +255,7 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
     handles = [w.handle for w in watchers]
     texts = [TextStream(state.engine.tokenizer, body.stops(), skip_special_tokens=body.skip_special_tokens)
              for _ in handles]
+    tool_streams = [reply.tool_stream() for _ in handles]
     sent = [0] * len(handles)
     shown = [0] * len(handles)
     """Characters of each answer sent (an answer that may become tool calls is held back)."""
@@ -270,7 +276,8 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
                     moved = True
                     texts[index].push(tokens)
                     emitted = texts[index].emitted
-                    delta = "" if reply.calls_tools and may_be_a_call(emitted) else emitted[shown[index]:]
+                    tools = tool_streams[index]
+                    delta = tools.push(emitted) if tools is not None else emitted[shown[index]:]
                     shown[index] += len(delta)
                     if delta or reply.wants_logprobs:
                         records = handle.logprobs[sent[index]:sent[index] + len(tokens)]
@@ -286,7 +293,8 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
                         yield reply.sse(error.body())
                         return
                     texts[index].finish(result.text)
-                    for chunk in reply.ending(result, texts[index].emitted[shown[index]:], shown[index], index):
+                    for chunk in reply.ending(result, texts[index].emitted[shown[index]:], shown[index], index,
+                                              tool_streams[index]):
                         yield reply.sse(chunk)
             if not moved:
                 await event.wait()

@@ -10,6 +10,7 @@ from pckernels.server.metrics import ServerMetrics
 from pckernels.server.protocol import APIError
 from pckernels.server.schemas import SchemaRecord, SchemaRegistry
 from pckernels.server.tenants import Tenants
+from pckernels.server.tool_parsers import HermesParser, ToolParser
 
 
 @dataclass
@@ -23,6 +24,8 @@ class ServerState:
     model_name: str
     request_timeout: float | None
     default_max_tokens: int
+    tool_parser: ToolParser = field(default_factory=HermesParser)
+    """The tool-call format answers are parsed in (``serve --tool-call-parser``)."""
     startup: list[SchemaRecord] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     stopping: bool = False
