@@ -156,7 +156,13 @@ def test_native_engines_meet_the_oracle(tokenizer, family):  # noqa: F811
         assert (cached.first_logits - via_hf.first_logits).abs().max().item() <= FP32_TOL
 
 
-def test_a_wrong_native_forward_falls_back_to_hf(tokenizer, monkeypatch, caplog):  # noqa: F811
+@pytest.mark.parametrize("cpu_bf16", [True, False], ids=["cpu-with-bf16", "cpu-without-bf16"])
+def test_a_wrong_native_forward_falls_back_to_hf(tokenizer, monkeypatch, caplog, cpu_bf16):  # noqa: F811
+    """fp32: a native forward failing its self-check logs "disagrees" and HF's modules run. bf16
+    (which only the native forward gives): an error, never a silent fallback — the disagreement on
+    a CPU with native bf16, the CPU's refusal, checked first, on one without. The package's probe
+    plays both CPUs on every machine (the disagreement raises before any bf16 matmul runs)."""
+    monkeypatch.setattr(native_mod, "bf16_matmul_supported", lambda: cpu_bf16)
     original = NativeDecoder._rope
 
     def mirrored(self, positions, dtype):
@@ -168,7 +174,8 @@ def test_a_wrong_native_forward_falls_back_to_hf(tokenizer, monkeypatch, caplog)
         adapter = adapter_for(BY_NAME["llama"].build(len(tokenizer)))
     assert adapter.native is None
     assert "disagrees" in caplog.text
-    with pytest.raises(ValueError, match="disagrees"):
+    refusal = "disagrees" if cpu_bf16 else "no native bf16 matmul"
+    with pytest.raises(ValueError, match=refusal):
         adapter_for(BY_NAME["llama"].build(len(tokenizer)), matmul="bf16")
 
 

@@ -9,8 +9,8 @@ from pckernels.generation.choice import TokenChoice, TokenLogprob
 from pckernels.generation.result import GenerationResult
 from pckernels.generation.sampling import (SAMPLING_OPTIONS, SamplingParams, make_generator, sampling_params,
                                           select_token)
-from pckernels.generation.stops import StopChecker, eos_token_ids
-from pckernels.generation.text import TextStream
+from pckernels.generation.stops import eos_token_ids, first_stop
+from pckernels.generation.text import Detokenizer, TextStream
 
-__all__ = ["GenerationResult", "SAMPLING_OPTIONS", "SamplingParams", "StopChecker", "TextStream", "TokenChoice",
-           "TokenLogprob", "eos_token_ids", "make_generator", "sampling_params", "select_token"]
+__all__ = ["Detokenizer", "GenerationResult", "SAMPLING_OPTIONS", "SamplingParams", "TextStream", "TokenChoice",
+           "TokenLogprob", "eos_token_ids", "first_stop", "make_generator", "sampling_params", "select_token"]

@@ -20,7 +20,7 @@ import torch
 
 from pckernels.generation.result import GenerationResult
 from pckernels.generation.sampling import SamplingParams, make_generator, select_token
-from pckernels.generation.stops import StopChecker
+from pckernels.generation.text import TextStream
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,6 @@ class TokenChoice:
         self.max_positions = max_positions
         self.started = time.perf_counter() if started is None else started
         self.generator = make_generator(params.seed)
-        self.stopper = StopChecker(tokenizer, list(params.stop) if tokenizer is not None else [], eos_ids)
         self.eos_ids = set() if params.ignore_eos else set(eos_ids)
         """Ids that end the answer as EOS (none with ``ignore_eos``)."""
         self.stop_ids = set(params.stop_token_ids)
@@ -62,6 +61,12 @@ class TokenChoice:
         """``(index, stop string)`` of the stop string that ended the answer, in the answer's text."""
         self.stopped_by_id = False
         """Whether the answer ended with one of ``stop_token_ids``."""
+        self.answer = TextStream(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens) if tokenizer is not None else None
+        """The answer's text, built as the stream builds it (the same stop cut), fed a token at a
+        time: at each choice when the request has stop strings, else when :meth:`text` is asked."""
+        self._exact = bool(params.min_tokens or params.include_stop_str_in_output) and bool(params.stop)
+        """Stop strings checked on the whole text (``min_tokens`` or ``include_stop_str_in_output``
+        change where the cut is), not by :attr:`answer` (which cuts at the first stop string)."""
         self.token_ids: list[int] = []
         self.first_logits: torch.Tensor | None = None
         """float32 ``[vocab]`` (CPU): the model's logits before the first token was chosen (before any
@@ -127,13 +132,17 @@ class TokenChoice:
         if token in self.stop_ids:
             self.stopped_by_id = True
             return True, "stop"
-        if self.stopper.stop:
-            if params.min_tokens and count == params.min_tokens:
-                self._floor = len(self._decode(self.token_ids[:-1]))
-            match = _first_stop(self._decode(self.token_ids), self.stopper.stop, self._floor)
-            if match is not None:
-                self.stop_match = match
-                return True, "stop"
+        if self.answer is None or not self.answer.stops:
+            return False, ""
+        if not self._exact:
+            self.answer.push((token,))
+            return (True, "stop") if self.answer.stopped else (False, "")
+        if params.min_tokens and count == params.min_tokens:
+            self._floor = len(self._decode(self.token_ids[:-1]))
+        match = _first_stop(self._decode(self.token_ids), self.answer.stops, self._floor)
+        if match is not None:
+            self.stop_match = match
+            return True, "stop"
         return False, ""
 
     def _decode(self, ids: list[int]) -> str:
@@ -172,12 +181,18 @@ class TokenChoice:
 
     def text(self) -> str:
         """The answer's text, cut at the first stop string (``""`` without a tokenizer)."""
-        if self.tokenizer is None:
+        if self.answer is None:
             return ""
         params = self.params
         ids = self.token_ids
         if (self.stopped_by_id or self.finish_reason == "eos") and not params.include_stop_str_in_output:
             ids = ids[:-1]  # as vLLM: the stop id's (or EOS's) text is not the answer's
+        if not self._exact:
+            answer = self.answer
+            if not answer.finished:
+                answer.push(ids[len(answer.detok.ids):])
+                answer.finish()
+            return answer.text
         text = self._decode(ids)
         if self.stop_match is not None:
             at, stop = self.stop_match

@@ -16,25 +16,10 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-class StopChecker:
-    """Stops generation at EOS ids or when the decoded text ends with a stop string."""
-
-    def __init__(self, tokenizer, stop: str | list[str] | None, eos_ids: set[int]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
-        self.eos_ids = eos_ids
-
-    def check(self, token_ids: list[int]) -> tuple[bool, str]:
-        """``(done, reason)`` after appending ``token_ids[-1]``; reason is ``"eos"`` or ``"stop"``."""
-        if token_ids and token_ids[-1] in self.eos_ids:
-            return True, "eos"
-        if self.stop:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-            if any(s and s in text for s in self.stop):
-                return True, "stop"
-        return False, ""
-
-    def trim(self, text: str) -> str:
-        """Cut ``text`` at the first stop string."""
-        cut = min((text.find(s) for s in self.stop if s and s in text), default=-1)
-        return text if cut < 0 else text[:cut]
+def first_stop(text: str, stops) -> int | None:
+    """Where ``text`` is cut: the index of the earliest stop string in it (``None``: none is).
+    The one stop-cut rule; :class:`~pckernels.generation.text.TextStream` applies it to the new
+    text of each token (with the tail a stop string may have begun in), for the final answer
+    and the stream alike."""
+    cut = min((at for at in (text.find(s) for s in stops if s) if at >= 0), default=-1)
+    return None if cut < 0 else cut

@@ -4,7 +4,8 @@ event loop and answered whole or streamed as server-sent events; a client that g
 The engine request is built in a worker thread (bad input raises there and changes nothing). The
 scheduler runs on its own thread; a :class:`Watcher` registers a listener on the request's handle
 that wakes the loop (``call_soon_threadsafe``) after every token, so no thread is parked per
-request (text deltas come from :class:`pckernels.generation.text.TextStream`).
+request. Text deltas come from :class:`pckernels.generation.text.TextStream` fed the request's
+own stop strings: the routine that builds the result's text, so the deltas join to it exactly.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pckernels.server.errors import SUBMIT_ERRORS, request_error, run_error, sub
 from pckernels.server.protocol import APIError
 from pckernels.server.replies import Reply, finish_reason
 from pckernels.server.state import ServerState
-from pckernels.server.tool_parsers import HermesParser
+from pckernels.server.tool_parsers import HermesParser, ToolStream
 from pckernels.server.tools import check_tools, forced, template_messages
 from pckernels.server.tenants import Tenant
 
@@ -34,7 +35,8 @@ __all__ = ["Watcher", "generate"]
 
 class Watcher:
     """Awaits the tokens of one :class:`RequestHandle` on ``loop``; records when each arrived.
-    Watchers of one request's several answers share ``event`` (set when any of them moves)."""
+    Watchers of one request's several answers share ``event`` (set when any of them moves), so
+    :meth:`wait` on any of them wakes when any answer moves."""
 
     def __init__(self, handle: RequestHandle, loop: asyncio.AbstractEventLoop, event: asyncio.Event | None = None) -> None:
         self.handle = handle
@@ -59,18 +61,19 @@ class Watcher:
             return
         self._event.clear()
 
+    def take(self) -> list[int] | None:
+        """Tokens chosen since the last call, without waiting (``[]`` when none came); ``None`` once
+        the request has ended and every token was taken."""
+        ended = self.handle.done
+        tokens = self.handle.take()
+        return tokens if tokens or not ended else None
+
     async def tokens(self, timeout: float | None = None) -> list[int] | None:
-        """Tokens chosen since the last call, waiting up to ``timeout`` for one (``[]`` when none
-        came); ``None`` once the request has ended and every token was taken."""
-        tokens = self.handle.take()
-        if tokens:
-            return tokens
-        if self.handle.done:
-            return self.handle.take() or None
-        await self.wait(timeout)
-        tokens = self.handle.take()
-        if not tokens and self.handle.done:
-            return self.handle.take() or None
+        """Like :meth:`take`, waiting up to ``timeout`` for a token when none is there yet."""
+        tokens = self.take()
+        if tokens == []:
+            await self.wait(timeout)
+            tokens = self.take()
         return tokens
 
     def gaps(self, n_tokens: int) -> list[float]:
@@ -249,41 +252,59 @@ def _completion_prompts(prompt) -> list:
     return [prompt]
 
 
+class _Answer:
+    """One answer's stream: its watcher, its text (:class:`TextStream`, with the request's own stop
+    strings and ``skip_special_tokens``, so the deltas join to the result's text) and what of it
+    was sent; ``tools``: what holds back text that may become tool calls (None: no tools)."""
+
+    def __init__(self, watcher: Watcher, tokenizer, tools: ToolStream | None) -> None:
+        self.watcher = watcher
+        params = watcher.handle.request.params
+        self.text = TextStream(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens)
+        self.hidden = set() if params.include_stop_str_in_output else set(params.stop_token_ids)
+        """Stop ids whose text the answer leaves out (vLLM)."""
+        self.tools = tools
+        self.sent = 0
+        """Tokens whose log-probabilities were sent."""
+        self.shown = 0
+        """Characters of the answer sent as content."""
+
+    def push(self, tokens: list[int]) -> str:
+        """The content to send after ``tokens`` (what may still become tool calls is held back)."""
+        self.text.push([t for t in tokens if t not in self.hidden] if self.hidden else tokens)
+        if self.tools is not None:
+            delta = self.tools.push(self.text.emitted)
+        else:
+            delta = self.text.since(self.shown)
+        self.shown += len(delta)
+        return delta
+
+
 async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, body, arrival: float, info: dict):
     """Server-sent events of every answer as its tokens come (a chunk names its choice's ``index``),
     then each answer's end, usage when asked, and ``[DONE]``."""
     handles = [w.handle for w in watchers]
-    texts = [TextStream(state.engine.tokenizer, body.stops(), skip_special_tokens=body.skip_special_tokens)
-             for _ in handles]
-    tool_streams = [reply.tool_stream() for _ in handles]
-    sent = [0] * len(handles)
-    shown = [0] * len(handles)
-    """Characters of each answer sent (an answer that may become tool calls is held back)."""
+    answers = [_Answer(watcher, state.engine.tokenizer, reply.tool_stream()) for watcher in watchers]
     results: list = [None] * len(handles)
-    event = watchers[0]._event
     try:
         if reply.chat:
             for index in range(len(handles)):
                 yield reply.sse(reply.chunk({"role": "assistant", "content": ""}, index=index))
         while any(r is None for r in results):
             moved = False
-            for index, handle in enumerate(handles):
+            for index, answer in enumerate(answers):
                 if results[index] is not None:
                     continue
-                done = handle.done
-                tokens = handle.take()
+                handle = answer.watcher.handle
+                tokens = answer.watcher.take()
                 if tokens:
                     moved = True
-                    texts[index].push(tokens)
-                    emitted = texts[index].emitted
-                    tools = tool_streams[index]
-                    delta = tools.push(emitted) if tools is not None else emitted[shown[index]:]
-                    shown[index] += len(delta)
+                    delta = answer.push(tokens)
                     if delta or reply.wants_logprobs:
-                        records = handle.logprobs[sent[index]:sent[index] + len(tokens)]
-                        sent[index] += len(tokens)
+                        records = handle.logprobs[answer.sent:answer.sent + len(tokens)]
+                        answer.sent += len(tokens)
                         yield reply.sse(reply.chunk(delta, records=records, index=index))
-                if done and not tokens:
+                elif tokens is None:
                     moved = True
                     try:
                         results[index] = result = handle.result(timeout=0)
@@ -292,13 +313,12 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
                         info["error"] = error.code
                         yield reply.sse(error.body())
                         return
-                    texts[index].finish(result.text)
-                    for chunk in reply.ending(result, texts[index].emitted[shown[index]:], shown[index], index,
-                                              tool_streams[index]):
+                    answer.text.finish(result.text)
+                    for chunk in reply.ending(result, answer.text.since(answer.shown), answer.shown, index,
+                                              answer.tools):
                         yield reply.sse(chunk)
             if not moved:
-                await event.wait()
-                event.clear()
+                await watchers[0].wait()
         if body.stream_options is not None and body.stream_options.include_usage:
             yield reply.sse(reply.usage_chunk(results))
         yield "data: [DONE]\n\n"

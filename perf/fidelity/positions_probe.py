@@ -49,32 +49,33 @@ def _token_segments(resolved) -> list:
 
 
 @torch.inference_mode()
-def answer(cache, ids: list[int], positions: list[int], max_new: int, stopper) -> tuple[str, torch.Tensor]:
-    """Greedy answer (stopped and trimmed by ``stopper``) and fp32 first logits of causal attention
-    over ``ids`` at ``positions``."""
+def answer(cache, ids: list[int], positions: list[int], max_new: int, stops: list[str]) -> tuple[str, torch.Tensor]:
+    """Greedy answer (ended by an end-of-sequence id or cut at the first of ``stops``) and fp32
+    first logits of causal attention over ``ids`` at ``positions``."""
+    from pckernels.generation import TextStream
+
     past = DynamicCache(config=cache.model.config)
     logits = cache.adapter.forward(torch.tensor([ids]), torch.tensor([positions]), None, past)[-1]
     first = logits.float()
-    out: list[int] = []
+    text = TextStream(cache.tokenizer, stops)
     pos = positions[-1]
     for _ in range(max_new):
         token = int(torch.argmax(logits))
-        out.append(token)
-        if stopper.check(out)[0]:
+        text.push([token])
+        if token in cache.eos_ids or text.stopped:
             break
         pos += 1
         logits = cache.adapter.forward(torch.tensor([[token]]), torch.tensor([[pos]]), None, past)[-1]
-    return stopper.trim(cache.tokenizer.decode(out, skip_special_tokens=True)), first
+    text.finish()
+    return text.text, first
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = probe_parser("python -m perf.fidelity.positions_probe", __doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=24)
     args = ap.parse_args(argv)
-    from pckernels.generation import StopChecker
-
     data, cache, questions = open_probe(args)
-    stopper = StopChecker(cache.tokenizer, ["\n", ". "], cache.eos_ids)
+    stops = ["\n", ". "]
     records = []
     for number, question in enumerate(questions, 1):
         if args.layout == "library":
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"question": question.id, "kind": question.kind}
         base_logits = None
         for name, positions in layouts(resolved).items():
-            text, first = answer(cache, ids, positions, args.max_new_tokens, stopper)
+            text, first = answer(cache, ids, positions, args.max_new_tokens, stops)
             base_logits = first if base_logits is None else base_logits
             row[name] = {"text": text, "contains": contains_answer(text, question.answers),
                          "kl": first_token_kl(base_logits, first), "last_position": positions[-1]}
