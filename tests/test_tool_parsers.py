@@ -41,8 +41,9 @@ CASES = {
 
 MALFORMED = {
     "hermes": ["<tool_call>{not json}</tool_call>", "plain text"],
-    "llama3_json": ['{"name": "f", "parameters": {"x": 1}', '{"name": "f"} and more', 'Sure: {"name": "f", '
-                    '"parameters": {}}', '{"parameters": {}}', "plain text"],
+    "llama3_json": ['{"name": "f", "parameters": {"x": 1}', '{"name": "f", "parameters": {}} and then words',
+                    '{"name": "f"} and more', 'Sure: {"name": "f", "parameters": {}}', '{"parameters": {}}',
+                    "plain text"],
     "mistral": ['[TOOL_CALLS] [{"name": "f", "arguments": {}', '[TOOL_CALLS] [{"arguments": {}}]',
                 "[TOOL_CALLS] nope", "plain text"],
     "pythonic": ["[f(1, 2)]", "[f(a=g())]", "[f(a=__import__('os').system('true'))]", "[f(**kw)]", "[1, 2]",
