@@ -1,7 +1,8 @@
 """One request's token choices: the one decode loop's brain, whoever runs the forwards.
 
-A :class:`TokenChoice` takes the logits of each step, adjusts them as the request asks (logit
-bias, presence and frequency penalties, a grammar's mask of the tokens it allows), picks the next
+A :class:`TokenChoice` takes the logits of each step, adjusts them as the request asks
+(``min_tokens`` mask, logit bias, repetition, presence and frequency penalties, a grammar's mask
+of the tokens it allows: vLLM's order), picks the next
 token by the request's :class:`~pckernels.generation.sampling.SamplingParams` (its own seeded
 RNG), records its log-probability and the top alternatives when asked (from the adjusted logits,
 the ones the choice was made from), and says when the generation ends: an end-of-sequence id, a
@@ -61,12 +62,14 @@ class TokenChoice:
         """``(index, stop string)`` of the stop string that ended the answer, in the answer's text."""
         self.stopped_by_id = False
         """Whether the answer ended with one of ``stop_token_ids``."""
-        self.answer = TextStream(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens) if tokenizer is not None else None
+        self.answer = (TextStream(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens)
+                       if tokenizer is not None else None)
         """The answer's text, built as the stream builds it (the same stop cut), fed a token at a
         time: at each choice when the request has stop strings, else when :meth:`text` is asked."""
         self._exact = bool(params.min_tokens or params.include_stop_str_in_output) and bool(params.stop)
         """Stop strings checked on the whole text (``min_tokens`` or ``include_stop_str_in_output``
-        change where the cut is), not by :attr:`answer` (which cuts at the first stop string)."""
+        change where the cut is), not by :attr:`answer` (which cuts at the first stop string): each
+        token then decodes the whole answer, a cost only such requests pay."""
         self.token_ids: list[int] = []
         self.first_logits: torch.Tensor | None = None
         """float32 ``[vocab]`` (CPU): the model's logits before the first token was chosen (before any

@@ -7,7 +7,8 @@ and ``pythonic`` (the answer is a Python list of calls, ``[f(a=1), g(b="x")]``, 
 template teaches (its markers), or the one ``serve --tool-call-parser`` names.
 
 A parser says how an answer splits into content and calls (:meth:`ToolParser.parse`; text that
-is not a well-formed call stays content; the content before calls loses its trailing space) and how much of a streamed answer is safe to show as
+is not a well-formed call stays content; the content before calls loses its trailing space) and
+how much of a streamed answer is safe to show as
 content (:meth:`ToolParser.safe`: never the part that may still become a call).
 :class:`ToolStream` streams one answer: content deltas while text is safe, the calls as OpenAI
 ``tool_calls`` deltas at the end — the deltas joined equal the whole answer's parse.
