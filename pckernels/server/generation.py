@@ -165,8 +165,9 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
         prompts = [template_messages(body.messages)] if chat else _completion_prompts(body.prompt)
         salt = who.salt if body.cache_salt is None else cache_salt(who.salt, body.cache_salt)
         template = template_kwargs(engine.tokenizer, body) if chat else None
+        extra = {"chat_template_kwargs": template} if template else {}
         return [engine.complete_request(prompt, params, reuse=body.cache, deadline_s=deadline_s, salt=salt, tools=tools,
-                                        chat_template_kwargs=template)
+                                        **extra)
                 for prompt in prompts]
     except APIError:
         raise
