@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pckernels.engine.graphs import stage
 from pckernels.integration.attention import KVLayout
 
 GROWTH_ROUND = 256
@@ -283,7 +284,7 @@ class KVArena:
         """Rows for a new resident block of ``n`` rows (the caller fills them)."""
         rows = self.allocate(n)
         block = ResidentBlock(key, rows)
-        block.index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        block.index = stage(rows, torch.long, self.device)
         self.blocks[key] = block
         return block
 

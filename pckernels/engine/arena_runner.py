@@ -3,8 +3,10 @@
 Every running request's keys and values live in rows of one
 :class:`~pckernels.engine.arena.KVArena`: module blocks once and shared, each request's own rows
 for its new and decoded tokens (:mod:`~pckernels.engine.placement`). A step packs every request's
-tokens into one forward with a per-request mask (:mod:`~pckernels.engine.step`); a rejected
-draft's rows need nothing undone, their positions hide them.
+tokens into one forward with a per-request mask (:mod:`~pckernels.engine.step`) — with bucketed
+static shapes, captured as a CUDA graph on CUDA (:mod:`~pckernels.engine.graphs`) — and reads the
+logits of all its requests back once (``graphs.readout``); a rejected draft's rows need nothing
+undone, their positions hide them.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from collections.abc import Callable
 
 import torch
 
+from pckernels.engine import graphs
 from pckernels.engine.arena import KVArena
 from pckernels.engine.buffer import BufferCache
 from pckernels.engine.context import EngineContext
+from pckernels.engine.graphs import StaticStep, StepGraphs
 from pckernels.engine.placement import Placer
 from pckernels.engine.request import Request, RequestHandle
 from pckernels.engine.runner import PromptBudget, StepOutput, StepResult, read_prompt
@@ -32,8 +36,13 @@ class ArenaRunner:
     ``prefix()``: the engine's prefix cache. ``counters``: what placement and steps count (the
     scheduler's counters too)."""
 
-    def __init__(self, ctx: EngineContext, prefix: Callable[[], BasePrefixCache], *, max_bytes: int) -> None:
+    def __init__(self, ctx: EngineContext, prefix: Callable[[], BasePrefixCache], *, max_bytes: int,
+                 step_graphs: StepGraphs | str | None = None) -> None:
         self.ctx = ctx
+        self.graphs = StepGraphs.of(step_graphs)
+        self.graph_mode = self.graphs.resolved(torch.device(ctx.device))
+        """``off``, ``static`` or ``captured`` (:class:`~pckernels.engine.graphs.StepGraphs`)."""
+        self.static: StaticStep | None = None
         self.counters: collections.Counter = collections.Counter()
         self.arena = KVArena(ctx.layout, dtype=ctx.dtype, device=ctx.device, max_bytes=max_bytes)
         self.cache = BufferCache(self.arena)
@@ -53,7 +62,24 @@ class ArenaRunner:
         return self.arena.referenced_rows() + self.placer.added_rows(request) <= self.arena.max_rows
 
     def start(self, handle: RequestHandle, choice: TokenChoice) -> tuple[ArenaRequest, torch.Tensor | None]:
-        return self.placer.start(handle, choice)
+        active, logits = self.placer.start(handle, choice)
+        return active, None if logits is None else graphs.readout(logits)
+
+    def _static(self) -> StaticStep | None:
+        """The static-shape step (``graph_mode`` other than ``off``), made on first use with a
+        scratch row of its own for padded queries; None when off, or when no row is left for it
+        (the step then runs with dynamic shapes)."""
+        if self.graph_mode == "off":
+            return None
+        if self.static is None:
+            try:
+                scratch = self.arena.allocate(1)[0]
+            except MemoryError:
+                return None
+            self.static = StaticStep(self.arena, self.ctx.dtype, torch.device(self.ctx.device), scratch,
+                                     self.graphs, capture=False)
+        self.static.capture = self.graph_mode == "captured"  # the mode may change between steps
+        return self.static
 
     def fork(self, lead: ArenaRequest, handle: RequestHandle, choice: TokenChoice) -> ArenaRequest:
         return self.placer.fork(lead, handle, choice)
@@ -76,8 +102,8 @@ class ArenaRunner:
         result = StepResult(items=len(items) + len(reads))
         if items:
             try:
-                plan = StepPlan.build(items, self.arena, self.ctx.dtype, self.ctx.device)
-                logits = plan.run(self.ctx.adapter, self.cache)
+                plan = StepPlan.build(items, self.arena, self.ctx.dtype, self.ctx.device, self._static())
+                logits = graphs.readout(plan.run(self.ctx.adapter, self.cache))
             except Exception as exc:  # the step's requests fail, the others go on
                 result.failed.extend(item.active for item in items)
                 result.error = exc
@@ -92,7 +118,7 @@ class ArenaRunner:
                 self.counters["prompt_tokens_read"] += read_prompt(active, tokens)
                 self.counters["prompt_reads"] += 1
                 if active.reading.done:
-                    result.outputs.append(StepOutput(active, self.placer.read(active)))
+                    result.outputs.append(StepOutput(active, graphs.readout(self.placer.read(active))))
             except Exception as exc:  # this request fails, the others go on
                 result.failed.append(active)
                 result.error = exc

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pckernels.engine.graphs import StepGraphs
 from pckernels.engine.options import resolve_device, resolve_dtype
 from pckernels.errors import OptionError
 from pckernels.integration.native import MATMULS, bf16_matmul_supported
@@ -57,6 +58,11 @@ class EngineConfig:
     Reuse: ``prefix_block_size`` tokens per block of plain prompts' prefix reuse,
     ``prefix_resume`` (``"block"`` or ``"token"``), ``placement`` of PML schemas that do not say
     (``"compact"`` or ``"schema"``).
+
+    The step: ``step_graphs`` (a :class:`~pckernels.engine.graphs.StepGraphs` or its mode
+    ``"auto"``, ``"off"``, ``"static"``, ``"captured"``; ``None``: ``"auto"``) — bucketed static
+    shapes replayed from CUDA graphs on CUDA, exact shapes on CPU by default (``docs/engine.md``,
+    "The captured step"); ``"captured"`` on a CPU engine is refused.
     """
 
     device: torch.device | str | None = None
@@ -76,6 +82,7 @@ class EngineConfig:
     prefix_block_size: int = DEFAULT_PREFIX_BLOCK
     prefix_resume: str = "block"
     placement: str = "compact"
+    step_graphs: StepGraphs | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("device_budget", "host_budget", "disk_budget", "kv_budget"):
@@ -101,6 +108,11 @@ class EngineConfig:
             _count(getattr(self, name), name, least)
         _choice(self.prefix_resume, "prefix_resume", RESUME)
         _choice(self.placement, "placement", tuple(sorted(PLACEMENTS)))
+        graphs = _checked("step_graphs", self.step_graphs, StepGraphs.of)
+        if graphs.mode == "captured" and _on_cpu(self.device):
+            raise OptionError("step_graphs", graphs.mode, "auto, off or static on the CPU",
+                              message="step_graphs='captured' needs a CUDA device; the engine runs on the CPU")
+        self._set("step_graphs", graphs)
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)

@@ -189,7 +189,8 @@ class PromptCache:
         self._grammars: Grammars | None = None
         max_bytes = default_kv_budget(self.device) if config.kv_budget is None else config.kv_budget
         if self.recurrent is None:
-            runner = ArenaRunner(self.context, lambda: self.prefix, max_bytes=max_bytes)
+            runner = ArenaRunner(self.context, lambda: self.prefix, max_bytes=max_bytes,
+                                 step_graphs=config.step_graphs)
         else:
             runner = HybridRunner(self.context, lambda: self.prefix, self.recurrent, max_bytes=max_bytes)
         self.scheduler = Scheduler(self.context, runner, max_queue=config.max_queue, max_batch=config.max_batch,

@@ -19,6 +19,7 @@ import torch
 from pckernels import ops
 from pckernels.engine.arena import KVArena, ResidentBlock, row_ranges
 from pckernels.engine.context import EngineContext
+from pckernels.engine.graphs import stage
 from pckernels.engine.plan import BlockRef
 from pckernels.engine.request import Request, RequestHandle
 from pckernels.engine.running import ArenaRequest, SharedRows, admitted_rows, own_rows
@@ -65,6 +66,7 @@ class Placer:
                               new_positions=list(plan.new_positions), live=plan.live)
         try:
             visible: list[torch.Tensor] = []
+            top = -1
             for ref in plan.blocks:
                 if ref.n_rows == 0:
                     continue
@@ -72,14 +74,16 @@ class Placer:
                 block = self.arena.block(key) or self.place(request.schema, ref, key)
                 self.arena.acquire(block)
                 active.block_keys.append(key)
-                if ref.hidden:
-                    keep = torch.ones(ref.n_rows, dtype=torch.bool, device=block.index.device)
-                    keep[list(ref.hidden)] = False
-                    visible.append(block.index[keep])
+                if ref.hidden:  # chosen on the host: a boolean index would wait for the device on CUDA
+                    hidden = set(ref.hidden)
+                    shown = [row for index, row in enumerate(block.rows) if index not in hidden]
+                    visible.append(stage(shown, torch.long, block.index.device))
+                    top = max(top, max(shown, default=-1))
                 else:
                     visible.append(block.index)
+                    top = max(top, max(block.rows, default=-1))
             active.block_rows = torch.cat(visible) if visible else torch.zeros(0, dtype=torch.long, device=device)
-            active.max_row = int(active.block_rows.max()) if visible else -1
+            active.max_row = top
             active.rows = self.arena.allocate(own_rows(request))
         except BaseException:
             self.release(active)

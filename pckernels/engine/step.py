@@ -10,6 +10,9 @@ to their requests, and builds the mask: each query sees, by schema position, its
 visible rows only — its modules' rows and its own — never another request's; reference-mode
 requests bring the oracle's explicit mask. :meth:`StepPlan.run` is the forward; it returns the
 logits of the tokens that choose a next token, which :meth:`StepPlan.outputs` hands back per item.
+Given a :class:`~pckernels.engine.graphs.StaticStep`, a step within its buckets is built into its
+static buffers, padded, and run by it (captured on CUDA). Inputs reach the device without a host
+wait (:func:`~pckernels.engine.graphs.stage`); sizes come from host lists.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from pckernels.engine.arena import KVArena
 from pckernels.engine.buffer import BufferCache
+from pckernels.engine.graphs import StaticStep, dynamic_forward, stage
 from pckernels.engine.runner import PromptBudget
 from pckernels.engine.running import ArenaRequest
 from pckernels.integration.adapters import ModelAdapter
@@ -96,45 +100,59 @@ class StepPlan:
     keep: torch.Tensor
     wanted: list[StepItem]
 
+    static: StaticStep | None = None
+    """The static-shape step whose buffers hold this step's inputs (None: dynamic shapes);
+    ``ids``, ``positions``, ``rows``, ``keep`` and ``spec`` are then its padded views."""
+    count: int = 0
+    """Logits ``run`` returns: ``len(keep)`` before padding."""
+
     @classmethod
-    def build(cls, items: list[StepItem], arena: KVArena, dtype: torch.dtype, device: torch.device) -> "StepPlan":
+    def build(cls, items: list[StepItem], arena: KVArena, dtype: torch.dtype, device: torch.device,
+              static: StaticStep | None = None) -> "StepPlan":
         """Pack ``items`` (module docstring). Writes the rows' positions into ``arena.row_pos`` and
-        the step's visible rows into each request: the step's keys are the rows as they will be."""
-        ids = torch.tensor([[t for item in items for t in item.tokens]], dtype=torch.long, device=device)
-        positions = torch.tensor([p for item in items for p in item.positions], dtype=torch.long, device=device)
-        rows = torch.tensor([r for item in items for r in item.rows], dtype=torch.long, device=device)
-        arena.row_pos[rows] = positions
+        the step's visible rows into each request: the step's keys are the rows as they will be.
+        With ``static`` (and a step within its buckets) the inputs go to its buffers, padded.
+        Sizes come from host lists; device tensors are only written (no host wait on CUDA)."""
+        ids_list = [t for item in items for t in item.tokens]
+        pos_list = [p for item in items for p in item.positions]
+        row_list = [r for item in items for r in item.rows]
+        wanted = [item for item in items if item.decode or item.last_of_prompt]
+        keep_list = [row for item in wanted
+                     for row in (range(item.offset, item.offset + len(item.tokens)) if item.decode
+                                 else (item.offset + len(item.tokens) - 1,))]
+        q = len(ids_list)
+        extent = 1 + max(max(max(item.rows), item.active.max_row) for item in items)
+        if static is not None and static.fits(q, extent):
+            ids, positions, rows, keep, bias = static.load(ids_list, pos_list, row_list, keep_list, extent)
+            width = bias.shape[1]
+        else:
+            static = None
+            ids = stage([ids_list], torch.long, device)
+            positions = stage(pos_list, torch.long, device)
+            rows = stage(row_list, torch.long, device)
+            keep = stage(keep_list, torch.long, device)
+            width = extent
+        arena.row_pos[rows[:q]] = positions[:q]
         for item in items:
             _make_visible(item, device)
-        extent = 1 + max(max(max(item.rows), item.active.max_row) for item in items)
-        allowed = torch.zeros(len(positions), extent, dtype=torch.bool, device=device)
-        key_pos = arena.row_pos[:extent]
-        for item in items:
-            active = item.active
-            span = slice(item.offset, item.offset + len(item.tokens))
-            if not item.decode and active.live is not None:
-                own = torch.tensor(active.rows[:len(active.new_tokens)], dtype=torch.long, device=device)
-                view = torch.zeros(len(item.tokens), extent, dtype=torch.bool, device=device)
-                view[:, own] = active.request.plan.prefill_mask.to(device)
-                allowed[span] = view
-                continue
-            visible = torch.zeros(extent, dtype=torch.bool, device=device)
-            visible[active.block_rows] = True
-            visible[active.own_visible] = True
-            allowed[span] = visible[None, :] & (key_pos[None, :] <= positions[span, None])
-        bias = torch.full(allowed.shape, NEG_INF, dtype=dtype, device=device)
-        bias.masked_fill_(allowed, 0.0)
-        wanted = [item for item in items if item.decode or item.last_of_prompt]
-        keep = torch.tensor([row for item in wanted
-                             for row in (range(item.offset, item.offset + len(item.tokens)) if item.decode
-                                         else (item.offset + len(item.tokens) - 1,))],
-                            dtype=torch.long, device=device)
-        return cls(items, ids, positions, rows, extent, AttentionSpec(bias, positions, key_pos), keep, wanted)
+        key_pos = arena.row_pos[:width]
+        allowed = _allowed(items, key_pos, positions[:q], width, device)
+        if static is None:
+            bias = torch.full(allowed.shape, NEG_INF, dtype=dtype, device=device)
+            bias.masked_fill_(allowed, 0.0)
+        else:
+            bias[:q].fill_(NEG_INF).masked_fill_(allowed, 0.0)
+        return cls(items, ids, positions, rows, width, AttentionSpec(bias, positions, key_pos), keep, wanted,
+                   static, len(keep_list))
 
     def run(self, adapter: ModelAdapter, cache: BufferCache) -> torch.Tensor:
         """The step's forward over the arena (``cache``); logits ``[k, vocab]`` of ``keep``."""
-        cache.prepare(rows=self.rows, start=0, extent=self.extent)
-        return adapter.forward(self.ids, self.positions[None], self.spec, cache, keep=self.keep)
+        if self.static is None:
+            return dynamic_forward(adapter, cache, self.ids, self.positions, self.rows, self.extent, self.spec,
+                                   self.keep)
+        logits = self.static.forward(adapter, cache, self.ids, self.positions, self.rows, self.keep,
+                                     self.spec.bias, self.spec.key_pos)
+        return logits[:self.count]
 
     def outputs(self, logits: torch.Tensor) -> Iterator[tuple[StepItem, torch.Tensor]]:
         """Per wanted item, its logits: ``[len(tokens), vocab]`` for a decode item, ``[vocab]`` for
@@ -161,6 +179,36 @@ def _make_visible(item: StepItem, device: torch.device) -> None:
     else:
         fresh = item.rows
     if fresh:
-        add = torch.tensor(fresh, dtype=torch.long, device=device)
+        add = stage(fresh, torch.long, device)
         active.own_visible = torch.cat([active.own_visible, add])
         active.max_row = max(active.max_row, max(fresh))
+
+
+def _allowed(items: list[StepItem], key_pos: torch.Tensor, positions: torch.Tensor, width: int,
+             device: torch.device) -> torch.Tensor:
+    """``[Q, width]`` booleans: query i may attend row j — its request's visible rows at positions
+    up to its own (``key_pos [width]``, ``positions [Q]``), or the oracle's explicit mask."""
+    allowed = torch.zeros(len(positions), width, dtype=torch.bool, device=device)
+    for item in items:
+        active = item.active
+        span = slice(item.offset, item.offset + len(item.tokens))
+        if not item.decode and active.live is not None:
+            own = stage(active.rows[:len(active.new_tokens)], torch.long, device)
+            view = torch.zeros(len(item.tokens), width, dtype=torch.bool, device=device)
+            view[:, own] = _on(active.request.plan.prefill_mask, device)
+            allowed[span] = view
+            continue
+        visible = torch.zeros(width, dtype=torch.bool, device=device)
+        visible[active.block_rows] = True
+        visible[active.own_visible] = True
+        allowed[span] = visible[None, :] & (key_pos[None, :] <= positions[span, None])
+    return allowed
+
+
+def _on(mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` (pinned and ``non_blocking`` on CUDA)."""
+    if mask.device == device:
+        return mask
+    if device.type == "cuda":
+        return mask.pin_memory().to(device, non_blocking=True)
+    return mask.to(device)
