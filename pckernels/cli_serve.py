@@ -71,6 +71,9 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
           placement: str = typer.Option("compact", help=PLACEMENT_HELP),
           allow_no_reuse: bool = typer.Option(False, help="Serve even when the model fails the prefix cache's "
                                                           "self-check (every prompt then computed in full)."),
+          tool_call_parser: str = typer.Option("auto", help="Tool-call format parsed from answers: hermes, "
+                                                            "llama3_json, mistral, pythonic, or auto (the one "
+                                                            "the chat template teaches)."),
           responses_max: int = typer.Option(1000, help="Stored responses (/v1/responses, store: true) kept per "
                                                        "tenant; the oldest go first."),
           responses_ttl: float = typer.Option(3600.0, help="Seconds a stored response is kept."),
@@ -81,6 +84,10 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
     from pckernels.errors import PMLError
     from pckernels.server import Tenants, create_app, load_keys, server_secret
     from pckernels.server.tenants import SECRET_ENV
+    from pckernels.server.tool_parsers import PARSERS
+
+    if tool_call_parser not in ("auto", *PARSERS):
+        fail(f"--tool-call-parser must be auto or one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
     from pckernels.store import default_store_dir
 
     level = getattr(logging, log_level.upper(), None)
@@ -116,6 +123,7 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
     try:
         app = create_app(engine, tenants=tenants, model_name=served_model_name or model, schemas_dir=schemas,
                          request_timeout=request_timeout or None, default_max_tokens=max_tokens,
+                         tool_call_parser=tool_call_parser,
                          responses_max=responses_max, responses_ttl_s=responses_ttl)
     except (PMLError, OSError) as exc:
         engine.close()

@@ -440,16 +440,17 @@ class PromptCache:
 
     def complete_request(self, prompt, params: SamplingParams | None = None, *, reuse: bool = True,
                          deadline_s: float | None = None, salt: str = "", tools: list[dict] | None = None,
-                         **sampling) -> Request:
+                         chat_template_kwargs: dict | None = None, **sampling) -> Request:
         """A plain prompt (text, token ids or chat messages) as a :class:`Request` for exact
         prefix reuse; ``params`` (or the sampling keywords) and ``deadline_s`` as in :meth:`request`,
         ``reuse`` as in :meth:`complete`. ``salt`` namespaces its prefix blocks: prompts with
         different salts never share a block. ``tools``: OpenAI function definitions rendered with
-        chat messages by the tokenizer's chat template (``pckernels.prefix.prompts.encode_prompt``)."""
+        chat messages by the tokenizer's chat template (``pckernels.prefix.prompts.encode_prompt``);
+        ``chat_template_kwargs``: extra variables for that template (e.g. ``enable_thinking``)."""
         submitted = time.perf_counter()
         params = sampling_params(params, sampling)
         request = self._requests.plain(prompt, params, reuse=reuse, deadline=deadline_at(deadline_s), salt=salt,
-                                       submitted=submitted, tools=tools)
+                                       submitted=submitted, tools=tools, template_kwargs=chat_template_kwargs)
         return dataclasses.replace(request, n=params.n) if params.n != 1 else request
 
     def complete(self, prompt, params: SamplingParams | None = None, **options) -> GenerationResult:

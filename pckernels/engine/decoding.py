@@ -5,7 +5,9 @@ After each step a request chooses its next token from its own logits (its
 it to its handle. With ``lookahead``, a greedy request's decode step also forwards a
 prompt-lookup draft (:mod:`pckernels.engine.lookahead`) in its next own rows; :meth:`Decoding.verify`
 chooses after each forwarded token in turn and keeps the draft while it is what greedy decoding
-chose. Rejected rows need no rollback: decoded row j always holds position ``first + j``, so a
+chose — chosen by the request's own :meth:`TokenChoice.choose`, from its processed logits (min_tokens
+mask, logit bias, repetition and other penalties, grammar), so a draft token the request's rules
+would not pick is never kept (a repetition penalty moves the argmax). Rejected rows need no rollback: decoded row j always holds position ``first + j``, so a
 stale row is after every query until the step reaching that position overwrites it.
 """
 

@@ -89,13 +89,13 @@ class RequestBuilder:
                        deadline=deadline, submitted=submitted)
 
     def plain(self, prompt, params: SamplingParams, *, reuse: bool, deadline: float | None, salt: str,
-              submitted: float, tools: list[dict] | None = None) -> Request:
+              submitted: float, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> Request:
         """A plain prompt (text, token ids, chat messages or a program's rendered call) for exact
         prefix reuse; ``salt`` namespaces its prefix blocks; ``tools``: function definitions the
-        chat template renders with the messages."""
+        chat template renders with the messages, with ``template_kwargs`` (extra template variables)."""
         if isinstance(prompt, ProgramCall):
             prompt = prompt.render(self.tokenizer)
-        ids = encode_prompt(self.tokenizer, prompt, tools)
+        ids = encode_prompt(self.tokenizer, prompt, tools, template_kwargs)
         self.check_length(len(ids))
         return Request(params, "prefix", list(ids), list(range(len(ids))), prefix=PrefixPrefill(list(ids), reuse, salt),
                        deadline=deadline, submitted=submitted)

@@ -340,7 +340,7 @@ class Scheduler:
     def _choice(self, handle: RequestHandle) -> TokenChoice:
         request = handle.request
         return TokenChoice(request.params, self.ctx.tokenizer, self.ctx.eos_ids, max_positions=self.ctx.max_positions,
-                           started=request.submitted)
+                           started=request.submitted, prompt_token_ids=request.prompt_token_ids)
 
     def _read(self, active: Running, logits: torch.Tensor) -> bool:
         """``active``'s prompt is read (``logits [vocab]``): its request's other answers start from

@@ -18,7 +18,8 @@ MAX_LOGPROBS = 20
 
 
 SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "logit_bias", "presence_penalty",
-                    "frequency_penalty", "logprobs", "grammar", "n")
+                    "frequency_penalty", "logprobs", "grammar", "n", "top_k", "min_p", "repetition_penalty",
+                    "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
 """The keyword arguments the request methods take for a :class:`SamplingParams` (its fields)."""
 
 
@@ -36,6 +37,19 @@ class SamplingParams:
     constraint (:mod:`pckernels.generation.grammar`) every chosen token must follow; ``n``:
     answers from one reading of the prompt (a sampled answer ``i`` uses ``seed + i``).
 
+    vLLM's extras, with vLLM's meaning: ``top_k`` (sample among the ``k`` best; ``0`` or ``-1``:
+    all); ``min_p`` (in [0, 1]: drop tokens less likely than ``min_p`` times the likeliest, after
+    temperature); ``repetition_penalty`` (> 0; 1 is off): a token of the prompt or of the answer so
+    far has a positive logit divided by it, a negative one multiplied; ``min_tokens`` (0 to
+    ``max_new_tokens``): until this many tokens were chosen, EOS and ``stop_token_ids`` are masked
+    out and no stop string ends the answer; ``ignore_eos``: EOS does not end the answer (nor is it
+    masked); ``stop_token_ids``: ids that end the answer (the id is kept, its text is not unless
+    ``include_stop_str_in_output``); ``skip_special_tokens``: special tokens are left out of the
+    text; ``include_stop_str_in_output``: the stop string (or stop id's text) stays in the text.
+    Order, as vLLM's sampler: min_tokens mask, logit bias, repetition then frequency and presence
+    penalties, grammar mask; greedy takes the argmax of that; sampling divides by the
+    temperature, then applies min_p, top_k, top_p.
+
     A bad value raises :class:`~pckernels.errors.OptionError` (a ``ValueError`` naming the
     field; the server answers it with a 400) before anything is queued.
     """
@@ -51,6 +65,14 @@ class SamplingParams:
     logprobs: int | None = None
     grammar: Any = None
     n: int = 1
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         _count(self.max_new_tokens, "max_new_tokens", 1)
@@ -65,21 +87,37 @@ class SamplingParams:
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise OptionError("logprobs", self.logprobs, f"between 0 and {MAX_LOGPROBS} (or None)")
         _count(self.n, "n", 1)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise OptionError("top_k", self.top_k, "an int: 0 or -1 (off), or at least 1")
+        _real(self.min_p, "min_p", "a number in [0, 1]", lambda p: 0.0 <= p <= 1.0)
+        _real(self.repetition_penalty, "repetition_penalty", "a number > 0 (1 is off)", lambda r: r > 0)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise OptionError("min_tokens", self.min_tokens, f"an int from 0 to max_new_tokens ({self.max_new_tokens})")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionError(name, getattr(self, name), "true or false")
+        ids = self.stop_token_ids
+        ids = (ids,) if _is_int(ids) else ids
+        if isinstance(ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in (ids or ())):
+            raise OptionError("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids or ()))
 
     @property
     def adjusts(self) -> bool:
-        """Whether the logits are changed before choosing (bias, penalties or a grammar)."""
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.grammar is not None)
+        """Whether the logits are changed before choosing (min_tokens mask, bias, penalties or a grammar)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.grammar is not None
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
     @classmethod
     def of(cls, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
            stop: str | list[str] | tuple[str, ...] | None = None, seed: int | None = None, *,
            logit_bias: Mapping[int, float] | None = None, presence_penalty: float = 0.0,
            frequency_penalty: float = 0.0, logprobs: int | None = None, grammar: Any = None,
-           n: int = 1) -> "SamplingParams":
-        """The parameters of the public API's arguments (the constructor takes the same forms)."""
+           n: int = 1, **vllm: Any) -> "SamplingParams":
+        """The parameters of the public API's arguments (the constructor takes the same forms;
+        ``vllm``: the vLLM extras by name)."""
         return cls(max_new_tokens, temperature, top_p, stop, seed, logit_bias or (), presence_penalty,
-                   frequency_penalty, logprobs, grammar, n)
+                   frequency_penalty, logprobs, grammar, n, **vllm)
 
 
 def sampling_params(params: SamplingParams | None = None, options: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -142,13 +180,19 @@ def _bias(bias: Any) -> tuple[tuple[int, float], ...]:
 
 
 def select_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None) -> int:
-    """Pick the next token from float ``logits [vocab]``; ``temperature == 0`` is greedy (argmax)."""
+                 generator: torch.Generator | None = None, top_k: int = 0, min_p: float = 0.0) -> int:
+    """Pick the next token from float ``logits [vocab]``; ``temperature == 0`` is greedy (argmax).
+    Sampling divides by ``temperature``, then keeps the tokens at least ``min_p`` times as likely
+    as the likeliest (0: all), the ``top_k`` best (ties kept; 0 or -1: all), then the nucleus of
+    mass ``top_p`` — vLLM's order."""
     if temperature < 0 or not 0.0 < top_p <= 1.0:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
     if temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    scaled = logits.float() / temperature
+    if min_p > 0.0 or 0 < top_k < scaled.shape[-1]:
+        scaled = filter_logits(scaled, top_k=top_k, min_p=min_p)
+    probs = torch.softmax(scaled, dim=-1)
     if generator is not None and generator.device != probs.device:
         probs = probs.to(generator.device)
     if top_p < 1.0:
@@ -158,6 +202,18 @@ def select_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float
         choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
         return int(order[choice])
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def filter_logits(scaled: torch.Tensor, *, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
+    """``scaled [vocab]`` (logits already divided by the temperature) with the tokens ``min_p`` and
+    then ``top_k`` drop set to ``-inf`` (a new tensor)."""
+    if min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < probs.max() * min_p, float("-inf"))
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return scaled
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:

@@ -46,10 +46,11 @@ cannot grow the window for long (a run of special tokens, which decode to nothin
 
 class Detokenizer:
     """Text of a growing list of token ids (module docstring). ``decode(ids) -> str`` is the
-    tokenizer's, called with ``skip_special_tokens=True`` on windows of a few ids."""
+    tokenizer's, called with ``skip_special_tokens`` (vLLM's option; True unless asked) on windows of a few ids."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0
         """Start of the decode window: the context of the text not yet stable."""
@@ -61,7 +62,7 @@ class Detokenizer:
         """Text of ``ids[read_offset:]`` as it decodes now (may end in ``\\ufffd``; not stable)."""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
     def push(self, token: int) -> str:
         """Append ``token``; the text that became stable with it (often ``""`` while held back)."""
@@ -121,10 +122,10 @@ class TextStream:
     detokenizer's window, not by the answer's length.
     """
 
-    def __init__(self, tokenizer, stops=()) -> None:
+    def __init__(self, tokenizer, stops=(), *, skip_special_tokens: bool = True) -> None:
         self.stops = [s for s in ([stops] if isinstance(stops, str) else stops or ()) if s]
         self.longest = max((len(s) for s in self.stops), default=0)
-        self.detok = Detokenizer(tokenizer)
+        self.detok = Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self._pieces: list[str] = []
         """Stable text, cut at the stop when stopped."""
         self._length = 0

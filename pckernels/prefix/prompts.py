@@ -18,10 +18,12 @@ HERMES_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with th
 """The tools block of Hermes / Qwen chat templates, for templates that have none of their own."""
 
 
-def render_chat(tokenizer, messages: Sequence[dict], tools: list[dict] | None = None) -> str:
+def render_chat(tokenizer, messages: Sequence[dict], tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> str:
     """Chat ``messages`` as the text the model reads: the tokenizer's chat template with the
     generation prompt, ``tools`` given to it (or, for a template that takes none, as a Hermes tools
-    block appended to the system message; one is added when there is none)."""
+    block appended to the system message; one is added when there is none);
+    ``template_kwargs``: more variables for the template."""
     messages = list(messages)
     if tools and "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
         block = HERMES_TOOLS.format(tools="\n".join(json.dumps(tool) for tool in tools))
@@ -30,11 +32,12 @@ def render_chat(tokenizer, messages: Sequence[dict], tools: list[dict] | None = 
         else:
             messages.insert(0, {"role": "system", "content": block})
         tools = None
-    options = {"tools": tools} if tools else {}
+    options = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **options)
 
 
-def encode_prompt(tokenizer, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt: Prompt, tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
     """Token ids of ``prompt``.
 
     Text is encoded with the tokenizer's special tokens; token ids pass through (a 1-D tensor
@@ -42,7 +45,8 @@ def encode_prompt(tokenizer, prompt: Prompt, tools: list[dict] | None = None) ->
     rendered with the tokenizer's chat template plus the generation prompt, then encoded
     without adding special tokens again. ``tools`` (OpenAI's function definitions) go to the
     template; a template that does not take tools gets them as a Hermes tools block appended to
-    the system message (one is added when there is none).
+    the system message (one is added when there is none). ``template_kwargs``: extra variables
+    for the template (chat messages only).
     """
     chat = (isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt)
             and all(isinstance(m, dict) for m in prompt))
@@ -61,7 +65,7 @@ def encode_prompt(tokenizer, prompt: Prompt, tools: list[dict] | None = None) ->
     elif chat:
         if tokenizer is None:
             raise ValueError("chat messages need a tokenizer with a chat template")
-        ids = tokenizer(render_chat(tokenizer, prompt, tools), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(render_chat(tokenizer, prompt, tools, template_kwargs), add_special_tokens=False)["input_ids"]
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
     else:

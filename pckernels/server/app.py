@@ -29,6 +29,7 @@ from pckernels.server.metrics import ServerMetrics
 from pckernels.server.response_store import DEFAULT_MAX, DEFAULT_TTL_S, ResponseStore
 from pckernels.server.routes import add_routes
 from pckernels.server.schemas import SchemaRegistry
+from pckernels.server.tool_parsers import pick_parser
 from pckernels.server.state import ServerState
 from pckernels.server.tenants import Tenants, server_secret
 
@@ -40,15 +41,18 @@ SCHEMA_SUFFIXES = (".xml", ".pml")
 def create_app(engine: ServingEngine, *, tenants: Tenants | None = None, model_name: str | None = None,
                schemas_dir: str | Path | None = None, request_timeout: float | None = 600.0,
                default_max_tokens: int = 512, max_body_bytes: int = 32 << 20, close_engine: bool = True,
-               responses_max: int = DEFAULT_MAX, responses_ttl_s: float = DEFAULT_TTL_S) -> FastAPI:
+               tool_call_parser: str = "auto", responses_max: int = DEFAULT_MAX,
+               responses_ttl_s: float = DEFAULT_TTL_S) -> FastAPI:
     """The app serving ``engine``. ``tenants``: API keys (None: one open tenant, no salt);
     ``schemas_dir``: PML files (``*.xml``, ``*.pml``) parsed now (``PMLError`` naming the file on
     bad input) and encoded in the background as shared schemas, ``/ready`` says when;
     ``request_timeout``: the default deadline of a generation in seconds; ``default_max_tokens``:
     for chat requests that give none; ``close_engine``: close it when the app shuts down;
+    ``tool_call_parser``: the tool-call format answers are parsed in (``auto``: the chat template's);
     ``responses_max``, ``responses_ttl_s``: stored responses kept per tenant, and for how long."""
     state = ServerState(engine, tenants or Tenants(None, server_secret()), SchemaRegistry(engine),
                         ServerMetrics(engine), model_name or str(engine.name), request_timeout, default_max_tokens,
+                        tool_parser=pick_parser(tool_call_parser, engine.tokenizer),
                         responses=ResponseStore(responses_max, responses_ttl_s))
     if schemas_dir is not None:
         files = sorted(p for p in Path(schemas_dir).iterdir() if p.suffix in SCHEMA_SUFFIXES and p.is_file())

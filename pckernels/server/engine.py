@@ -41,9 +41,9 @@ class ServingEngine(Protocol):
 
     def complete_request(self, prompt: str | list[int] | list[dict[str, str]], params: SamplingParams | None = None,
                          *, reuse: bool = True, deadline_s: float | None = None, salt: str = "",
-                         tools: list[dict] | None = None) -> Request:
+                         tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> Request:
         """A plain prompt (text, token ids or chat messages) as a request with exact prefix reuse, its
-        tokens chosen by ``params``."""
+        tokens chosen by ``params``; ``chat_template_kwargs``: extra chat-template variables."""
 
     def prompt_logprobs(self, prompt, top: int = 0, *, tools: list[dict] | None = None) -> tuple[list[int], list]:
         """The prompt's token ids and their log-probabilities (``TokenLogprob``; the first's is

@@ -26,7 +26,8 @@ from pckernels.server.errors import SUBMIT_ERRORS, request_error, run_error, sub
 from pckernels.server.protocol import APIError
 from pckernels.server.replies import Reply, finish_reason
 from pckernels.server.state import ServerState
-from pckernels.server.tools import OPEN, check_tools, forced, may_be_a_call, template_messages
+from pckernels.server.tool_parsers import HermesParser, ToolStream
+from pckernels.server.tools import check_tools, forced, template_messages
 from pckernels.server.tenants import Tenant
 
 __all__ = ["Watcher", "generate"]
@@ -108,6 +109,9 @@ async def generate(state: ServerState, http: Request, body, who: Tenant, *, chat
     watchers = [Watcher(handle, loop, event) for handle in handles]
     info = http.scope.setdefault("state", {})
     info["engine_request"] = handles[0].id
+    if chat:
+        forced_call = body.calls_tools and (body.tool_choice == "required" or isinstance(body.tool_choice, dict))
+        reply.parser = HermesParser() if forced_call else state.tool_parser
     if body.stream:
         return StreamingResponse(_stream(state, watchers, reply, body, arrival, info), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -134,7 +138,7 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
     engine = state.engine
     params = sampling(state, body, chat)
     grammar = _grammar(engine, body)
-    tools = None
+    tools = lark = None
     if chat:
         tools = check_tools(body.tools, body.tool_choice) if body.tool_choice != "none" else None
         lark = forced(tools, body.tool_choice, body.parallel_tool_calls) if tools else None
@@ -149,6 +153,8 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
                                code="invalid_grammar") from None
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
+    if tools and lark is None and state.tool_parser.name == "mistral":
+        params = dataclasses.replace(params, skip_special_tokens=False)  # as vLLM: [TOOL_CALLS] is a special token
     deadline_s = body.timeout_s or state.request_timeout
     plain = (chat and body.messages) or (not chat and body.prompt not in (None, "", []))
     try:
@@ -163,7 +169,10 @@ def _build(state: ServerState, body, who: Tenant, chat: bool) -> list:
                            "in the 'pml' field)", param="messages" if chat else "prompt")
         prompts = [template_messages(body.messages)] if chat else _completion_prompts(body.prompt)
         salt = who.salt if body.cache_salt is None else cache_salt(who.salt, body.cache_salt)
-        return [engine.complete_request(prompt, params, reuse=body.cache, deadline_s=deadline_s, salt=salt, tools=tools)
+        template = template_kwargs(engine.tokenizer, body) if chat else None
+        extra = {"chat_template_kwargs": template} if template else {}
+        return [engine.complete_request(prompt, params, reuse=body.cache, deadline_s=deadline_s, salt=salt, tools=tools,
+                                        **extra)
                 for prompt in prompts]
     except APIError:
         raise
@@ -228,9 +237,28 @@ def sampling(state: ServerState, body, chat: bool) -> SamplingParams:
                               logit_bias=body.bias(len(state.engine.tokenizer)) or (),
                               presence_penalty=body.presence_penalty or 0.0,
                               frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.logprob_count(),
-                              n=body.n)
+                              n=body.n, top_k=0 if body.top_k is None else body.top_k,
+                              min_p=0.0 if body.min_p is None else body.min_p,
+                              repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                              min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
+                              stop_token_ids=tuple(body.stop_token_ids or ()),
+                              skip_special_tokens=body.skip_special_tokens,
+                              include_stop_str_in_output=body.include_stop_str_in_output)
     except OptionError as exc:
         raise APIError(400, str(exc), param=OPENAI_FIELDS.get(exc.option, exc.option)) from None
+
+
+def template_kwargs(tokenizer, body) -> dict | None:
+    """The extra chat-template variables of a chat ``body``: its ``chat_template_kwargs``, and its
+    ``reasoning_effort`` when the template reads that variable (ignored otherwise, as it cannot
+    change the prompt)."""
+    out = dict(body.chat_template_kwargs or {})
+    template = getattr(tokenizer, "chat_template", None)
+    text = template if isinstance(template, str) else " ".join(map(str, (template or {}).values())) \
+        if isinstance(template, dict) else ""
+    if body.reasoning_effort is not None and "reasoning_effort" in text:
+        out.setdefault("reasoning_effort", body.reasoning_effort)
+    return out or None
 
 
 def _grammar(engine, body):
@@ -270,30 +298,28 @@ def _completion_prompts(prompt) -> list:
 
 class _Answer:
     """One answer's stream: its watcher, its text (:class:`TextStream`, with the request's own stop
-    strings, so the deltas join to the result's text) and what of it was sent."""
+    strings and ``skip_special_tokens``, so the deltas join to the result's text) and what of it
+    was sent; ``tools``: what holds back text that may become tool calls (None: no tools)."""
 
-    def __init__(self, watcher: Watcher, tokenizer, calls_tools: bool) -> None:
+    def __init__(self, watcher: Watcher, tokenizer, tools: ToolStream | None) -> None:
         self.watcher = watcher
-        self.text = TextStream(tokenizer, watcher.handle.request.params.stop)
+        params = watcher.handle.request.params
+        self.text = TextStream(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens)
+        self.hidden = set() if params.include_stop_str_in_output else set(params.stop_token_ids)
+        """Stop ids whose text the answer leaves out (vLLM)."""
+        self.tools = tools
         self.sent = 0
         """Tokens whose log-probabilities were sent."""
         self.shown = 0
         """Characters of the answer sent as content."""
-        self.call: bool | None = None if calls_tools else False
-        """Whether the answer is tool calls (held back to the end), ``None`` while it may still be."""
 
     def push(self, tokens: list[int]) -> str:
-        """The content to send after ``tokens`` (an answer that may become tool calls sends none)."""
-        self.text.push(tokens)
-        if self.call is None:
-            so_far = self.text.emitted
-            if not may_be_a_call(so_far):
-                self.call = False
-            elif so_far.lstrip().startswith(OPEN):
-                self.call = True
-        if self.call is not False:
-            return ""
-        delta = self.text.since(self.shown)
+        """The content to send after ``tokens`` (what may still become tool calls is held back)."""
+        self.text.push([t for t in tokens if t not in self.hidden] if self.hidden else tokens)
+        if self.tools is not None:
+            delta = self.tools.push(self.text.emitted)
+        else:
+            delta = self.text.since(self.shown)
         self.shown += len(delta)
         return delta
 
@@ -302,7 +328,7 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
     """Server-sent events of every answer as its tokens come (a chunk names its choice's ``index``),
     then each answer's end, usage when asked, and ``[DONE]``."""
     handles = [w.handle for w in watchers]
-    answers = [_Answer(watcher, state.engine.tokenizer, reply.calls_tools) for watcher in watchers]
+    answers = [_Answer(watcher, state.engine.tokenizer, reply.tool_stream()) for watcher in watchers]
     results: list = [None] * len(handles)
     try:
         if reply.chat:
@@ -336,7 +362,8 @@ async def _stream(state: ServerState, watchers: list[Watcher], reply: Reply, bod
                         yield reply.sse(error.body())
                         return
                     answer.text.finish(result.text)
-                    for chunk in reply.ending(result, answer.text.since(answer.shown), answer.shown, index):
+                    for chunk in reply.ending(result, answer.text.since(answer.shown), answer.shown, index,
+                                              answer.tools):
                         yield reply.sse(chunk)
             if not moved:
                 await watchers[0].wait()

@@ -9,6 +9,11 @@ extension fields ride in the same bodies (the ``openai`` client sends them with 
 * ``timeout_s``: a deadline for this request (the server's ``--request-timeout`` otherwise);
 * ``cache``: ``false`` computes a plain prompt without prefix reuse;
 * ``recompute``, ``recompute_policy``: as in ``PromptCache.generate`` (PML prompts only).
+
+vLLM's sampling extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) and
+chat's ``chat_template_kwargs`` ride there too, with vLLM's meaning; ``SamplingParams`` checks
+their ranges (a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ MAX_N = 16
 """Answers one request may ask for."""
 IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 """Fields accepted and ignored: they cannot change an answer."""
-NOT_YET = ("functions", "function_call", "prediction", "modalities", "audio", "reasoning_effort",
+NOT_YET = ("functions", "function_call", "prediction", "modalities", "audio",
            "web_search_options", "guided_decoding_backend", "structured_outputs")
 """Fields OpenAI or vLLM clients send that this server does not honour: refused with a 400."""
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "conversation", "documents",
+                          "chat_template", "return_dict", "continue_final_message"})
+"""``apply_chat_template`` arguments ``chat_template_kwargs`` may not set."""
 
 
 class APIError(Exception):
@@ -103,6 +112,17 @@ class _Sampling(BaseModel):
     """A share (0 to 1), or with ``recompute_policy="epic"`` tokens per module (the engine checks);
     unset: the engine's default for the prompt's placement (compact: 8 per module, ``epic``)."""
     recompute_policy: Literal["first", "deviation", "epic"] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    """vLLM's sampling extras, with vLLM's meaning (:class:`~pckernels.generation.SamplingParams`)."""
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    """OpenAI's cache-routing hint: accepted; exact prefix reuse needs no key (``docs/server.md``)."""
 
     def check_supported(self) -> None:
         extra = sorted(set(self.model_extra or {}) - IGNORED)
@@ -187,9 +207,24 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (vLLM's; e.g. ``enable_thinking``)."""
+    reasoning_effort: str | None = None
+    """OpenAI's: passed to a chat template that reads ``reasoning_effort``, else ignored."""
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
+                           param="reasoning_effort")
+        if self.chat_template_kwargs:
+            taken = sorted(set(self.chat_template_kwargs) & TEMPLATE_OWN)
+            if taken:
+                raise APIError(400, f"chat_template_kwargs must not set {', '.join(taken)} (the server does)",
+                               param="chat_template_kwargs")
+            if self.pml is not None:
+                raise APIError(400, "chat_template_kwargs apply to messages, not to a PML prompt",
+                               param="chat_template_kwargs")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools and self.pml is not None:

@@ -7,7 +7,7 @@ import time
 import uuid
 
 from pckernels.server.logprobs import chat_logprobs, completion_logprobs
-from pckernels.server.tools import parse
+from pckernels.server.tool_parsers import HermesParser, ToolParser, ToolStream
 
 
 def finish_reason(reason: str) -> str:
@@ -18,7 +18,8 @@ def finish_reason(reason: str) -> str:
 class Reply:
     """The bodies answering one chat (``chat``) or completion request; ``endpoint`` labels its metrics."""
 
-    def __init__(self, fingerprint: str, endpoint: str, body, chat: bool, tokenizer=None) -> None:
+    def __init__(self, fingerprint: str, endpoint: str, body, chat: bool, tokenizer=None,
+                 parser: ToolParser | None = None) -> None:
         self.fingerprint, self.endpoint, self.chat = fingerprint, endpoint, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -30,6 +31,8 @@ class Reply:
         self.echoes: list[tuple[str, list]] | None = None
         """Completions with ``echo``: per prompt its text and its tokens' records (empty without logprobs)."""
         self._offset: dict[int, int] = {}
+        self.parser = parser or HermesParser()
+        """The tool-call format answers are parsed in (a forced call is always Hermes: its grammar's)."""
 
     def logprobs(self, records, index: int = 0) -> dict | None:
         """The ``logprobs`` of choice ``index`` holding ``records`` (None when the request asked for none)."""
@@ -76,7 +79,7 @@ class Reply:
             if self.chat:
                 message = {"role": "assistant", "content": result.text, "refusal": None}
                 if self.calls_tools:
-                    message["content"], calls = parse(result.text)
+                    message["content"], calls = self.parser.parse(result.text)
                     if calls:
                         message["tool_calls"] = calls
                         reason = "tool_calls"
@@ -98,17 +101,21 @@ class Reply:
         choice = {"index": index, "text": delta or "", "finish_reason": finish_reason, "logprobs": logprobs}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def ending(self, result, rest: str, shown: int, index: int) -> list[dict]:
+    def tool_stream(self) -> ToolStream | None:
+        """What holds a streamed answer's text back while it may become tool calls (None: no tools)."""
+        return ToolStream(self.parser) if self.calls_tools else None
+
+    def ending(self, result, rest: str, shown: int, index: int, tools: ToolStream | None = None) -> list[dict]:
         """The last chunks of answer ``index``: its held-back text ``rest`` (``shown`` characters
-        already sent), as tool-call deltas when it is tool calls, then its finish reason."""
+        already sent; ``tools``: its tool stream), as tool-call deltas when it is tool calls, then
+        its finish reason."""
         reason = finish_reason(result.finish_reason)
         chunks = []
-        if self.calls_tools and not shown:
-            content, calls = parse(result.text)
-            if calls:
-                if content:
-                    chunks.append(self.chunk(content, index=index))
-                deltas = [{"index": k, **call} for k, call in enumerate(calls)]
+        if tools is not None:
+            rest, deltas = tools.finish(result.text)
+            if deltas:
+                if rest:
+                    chunks.append(self.chunk(rest, index=index))
                 chunks.append(self.chunk({"tool_calls": deltas}, index=index))
                 chunks.append(self.chunk(None, finish_reason="tool_calls", index=index))
                 return chunks

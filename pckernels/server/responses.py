@@ -32,7 +32,8 @@ from pckernels.server.protocol import APIError, ChatCompletionRequest
 from pckernels.server.response_store import StoredResponse
 from pckernels.server.state import ServerState
 from pckernels.server.tenants import Tenant
-from pckernels.server.tools import check_tools, forced, may_be_a_call, parse, template_messages
+from pckernels.server.tool_parsers import HermesParser, ToolParser
+from pckernels.server.tools import check_tools, forced, template_messages
 
 IGNORED = frozenset({"user", "metadata", "truncation", "service_tier", "reasoning", "include", "prompt_cache_key",
                      "safety_identifier"})
@@ -172,6 +173,8 @@ class _Turn:
     prompt: list[int]
     messages: list[dict]
     tools: list[dict] | None
+    parser: ToolParser
+    """The format tool calls are parsed in (a forced call's is Hermes: its grammar's)."""
 
 
 def _prepare(state: ServerState, body: ResponsesRequest, who: Tenant) -> _Turn:
@@ -212,7 +215,8 @@ def _prepare(state: ServerState, body: ResponsesRequest, who: Tenant) -> _Turn:
         if error is None:
             raise
         raise error from None
-    return _Turn(chat, prompt, conversation, chat_tools)
+    forced_call = chat.tool_choice == "required" or isinstance(chat.tool_choice, dict)
+    return _Turn(chat, prompt, conversation, chat_tools, HermesParser() if forced_call else state.tool_parser)
 
 
 def _build(state: ServerState, turn: _Turn, who: Tenant):
@@ -275,7 +279,7 @@ class _Answer:
         chat message of it (for the stored conversation)."""
         calls = []
         if self.turn.tools:
-            content, calls = parse(text)
+            content, calls = self.turn.parser.parse(text)
         if calls:
             items = [{"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": c["id"],
                       "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
@@ -349,7 +353,7 @@ async def _events(state: ServerState, answer: _Answer, watcher: Watcher, who: Te
     shown = 0
     """Characters of the answer sent as text deltas."""
     held = bool(answer.turn.tools)
-    """Whether the answer may still become tool calls (then nothing is sent until it cannot)."""
+    """Whether the answer may hold tool calls (then only what the parser calls safe is sent)."""
 
     def open_message():
         yield answer.event("response.output_item.added", output_index=0,
@@ -369,10 +373,10 @@ async def _events(state: ServerState, answer: _Answer, watcher: Watcher, who: Te
                 continue
             texts.push(tokens)
             if held:
-                if may_be_a_call(texts.emitted):
-                    continue
-                held = False
-            delta = texts.since(shown)
+                so_far = texts.emitted
+                delta = so_far[shown:answer.turn.parser.safe(so_far)]
+            else:
+                delta = texts.since(shown)
             if not delta:
                 continue
             if not opened:

@@ -11,6 +11,7 @@ from pckernels.server.protocol import APIError
 from pckernels.server.response_store import ResponseStore
 from pckernels.server.schemas import SchemaRecord, SchemaRegistry
 from pckernels.server.tenants import Tenants
+from pckernels.server.tool_parsers import HermesParser, ToolParser
 
 
 @dataclass
@@ -24,6 +25,8 @@ class ServerState:
     model_name: str
     request_timeout: float | None
     default_max_tokens: int
+    tool_parser: ToolParser = field(default_factory=HermesParser)
+    """The tool-call format answers are parsed in (``serve --tool-call-parser``)."""
     startup: list[SchemaRecord] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     stopping: bool = False

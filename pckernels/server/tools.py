@@ -14,15 +14,14 @@ every well-formed block becomes an entry of ``message.tool_calls`` (``finish_rea
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any
 
 from pckernels.generation.grammar import JSON_LAYOUT
 from pckernels.server.protocol import APIError
+from pckernels.server.tool_parsers import HermesParser
 
 OPEN = "<tool_call>"
-CLOSE = re.compile(r"\s*</tool_call>")
 
 
 def check_tools(tools: list[dict] | None, choice: Any) -> list[dict] | None:
@@ -72,43 +71,9 @@ def forced(tools: list[dict], choice: Any, parallel: bool | None) -> str | None:
 
 
 def parse(text: str) -> tuple[str | None, list[dict]]:
-    """``(content, tool_calls)`` of an answer: each ``<tool_call>`` block holding a JSON object
-    with a ``name`` as OpenAI's call (``arguments`` a JSON string; a missing closing tag at the
-    end of the answer is forgiven), the rest as content (None when nothing is left)."""
-    calls, kept, position = [], [], 0
-    decoder = json.JSONDecoder()
-    while (start := text.find(OPEN, position)) >= 0:
-        body = start + len(OPEN)
-        while body < len(text) and text[body].isspace():
-            body += 1
-        try:
-            call, end = decoder.raw_decode(text, body)
-        except json.JSONDecodeError:
-            kept.append(text[position:body])
-            position = body
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            kept.append(text[position:end])
-            position = end
-            continue
-        arguments = call.get("arguments", {})
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
-        kept.append(text[position:start])
-        close = CLOSE.match(text, end)
-        position = close.end() if close else end
-    kept.append(text[position:])
-    if not calls:
-        return text, []
-    content = "".join(kept).strip()
-    return content or None, calls
-
-
-def may_be_a_call(text: str) -> bool:
-    """Whether a streamed answer so far may still turn into tool calls (it starts as one would)."""
-    head = text.lstrip()
-    return head.startswith(OPEN) or OPEN.startswith(head)
+    """``(content, tool_calls)`` of an answer in the Hermes format (what a forced call writes):
+    :class:`~pckernels.server.tool_parsers.HermesParser`; the other formats live there too."""
+    return HermesParser().parse(text)
 
 
 def template_messages(messages) -> list[dict]:
