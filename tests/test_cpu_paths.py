@@ -129,3 +129,26 @@ def test_embedded_model_greedy_tokens_and_logits_on_every_path(one_thread):
         assert (first.first_logits - hf_logits).abs().max().item() <= EMBEDDED_TOL * spread, path
         tokens[path] = first.token_ids
     assert len(tokens["linear"]) == 32 and len({tuple(t) for t in tokens.values()}) == 1, tokens
+
+
+def test_perf_records_the_isa_and_compares_the_paths_on_a_tiny_model(monkeypatch):
+    """``cpu_isa`` (beside every CPU figure), ``perf.profile_cpu`` and ``perf.bench_cpu_paths`` on
+    a tiny random Llama; no timing assertions."""
+    from perf import bench_cpu_paths, gpu_suite, profile_cpu
+    from perf.suite.runner import cpu_isa
+    from test_perf_suite import TINY_SHAPE
+
+    monkeypatch.delenv(CPU_PATH_ENV, raising=False)
+    isa = cpu_isa()
+    assert isa["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert isa["native_cpu_path"] == default_cpu_path() and isinstance(isa["bf16_matmul"], bool)
+    assert ("no AVX-512" in isa["summary"]) != isa["avx512"] and isa["capability"] in isa["summary"]
+    torch.manual_seed(0)
+    model = gpu_suite.random_llama(TINY_SHAPE, "cpu", torch.float32)
+    decoder = NativeDecoder.build(model, [None] * model.config.num_hidden_layers, cpu_path="linear")
+    part = profile_cpu.profile(decoder, 37, 3, steps=1)
+    assert len(part["per_layer_ms"]) == len(decoder.layers) and part["total_ms"] > 0 and part["ops"]
+    rounds = bench_cpu_paths.forward_rounds(decoder, list(CPU_PATHS), 37, repeats=2, steps=1)
+    assert set(rounds) == {"decode step ms", "prefill 10 ms"}
+    assert all(len(per[path]) == 2 for per in rounds.values() for path in CPU_PATHS)
+    assert len(bench_cpu_paths.table(rounds, list(CPU_PATHS))) == 4
