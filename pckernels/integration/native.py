@@ -21,7 +21,7 @@ The fp32 projections have two CPU paths (:data:`CPU_PATHS`), chosen once at load
 it (``F.linear``: MKL, oneDNN's inner product for 4-48 rows); ``"transposed"`` stores it ``[in, out]``
 contiguous and multiplies ``x @ W^T`` as ``mm(x, W^T)``, which MKL runs as a streaming GEMV on an
 AVX2-only CPU (the 49,152 x 576 LM head 1.7x faster, the layers' projections 1.25x at one row on an
-AMD EPYC; ``perf/results/cpu-2c-avx2``). The HF modules' weights become views of the transposed
+AMD EPYC; ``docs/cpu-isa.md``). The HF modules' weights become views of the transposed
 tensors, so only a tied LM head costs a copy. Each path is deterministic; they agree to rounding.
 
 ``matmul="bf16"`` (never the default) runs every projection and the LM head as oneDNN bf16 matmuls
