@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from perf.suite.runner import cpu_model, machine_name
+from perf.suite.runner import cpu_isa, cpu_model, machine_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STREAM_BYTES = 1 << 30
@@ -180,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.kernels:
             row["kernels_gbs"] = kernels(decoder, context, max(3, args.repeats // 3))
         rows.append(row)
-    result = {"machine": machine, "cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__,
+    result = {"machine": machine, "cpu": cpu_model(), "isa": cpu_isa(), "cpu_path": decoder.cpu_path,
+              "threads": args.threads, "torch": torch.__version__,
               "matmul": args.matmul, "stream_gbs": round(rate, 1), "weight_bytes": wbytes,
               "command": "python -m perf.bench_decode " + " ".join(sys.argv[1:] if argv is None else argv),
               "rows": rows}
-    header = (f"{args.threads} threads, {result['cpu']}, torch {result['torch']}; median of {args.repeats}, ms. "
+    header = (f"{args.threads} threads, {result['cpu']} ({result['isa']['summary']}; CPU path "
+              f"{decoder.cpu_path}), torch {result['torch']}; median of {args.repeats}, ms. "
               f"Streaming rate {rate:.1f} GB/s (`torch.sum`, 1 GiB); weights {wbytes / 1e6:.0f} MB per step. "
               f"Command: `{result['command']}`")
     lines = [f"# One decode step of the native forward, {args.matmul} matmuls — {machine}", "", header, "",

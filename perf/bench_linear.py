@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from perf.suite.runner import cpu_model, machine_name
+from perf.suite.runner import cpu_isa, cpu_model, machine_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -77,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
                 row["onednn_bf16_packed"] = best_ms(lambda x, w: mkldnn._linear_pointwise(x, w, None, "none", [], ""),
                                                     bf16, m, torch.bfloat16, args.repeats)
             rows.append(row)
-    result = {"machine": machine_name(), "cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__,
+    result = {"machine": machine_name(), "cpu": cpu_model(), "isa": cpu_isa(), "threads": args.threads, "torch": torch.__version__,
               "command": "python -m perf.bench_linear " + " ".join(sys.argv[1:] if argv is None else argv),
               "rows": rows}
     names = [k for k in rows[0] if k != "rows"]
     lines = [f"# Projections of the embedded model, M rows — {result['machine']}", "",
-             f"{args.threads} threads, {result['cpu']}, torch {result['torch']}; best of {args.repeats}, ms for all "
+             f"{args.threads} threads, {result['cpu']} ({result['isa']['summary']}), torch {result['torch']}; best of {args.repeats}, ms for all "
              f"projections. Command: `{result['command']}`", "",
              "| rows | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines += [f"| {r['rows']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |" for r in rows]

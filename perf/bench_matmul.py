@@ -27,7 +27,7 @@ import torch
 
 from perf.fidelity import dataset as qa
 from perf.fidelity.scoring import contains_answer, first_token_kl
-from perf.suite.runner import cpu_model, machine_name
+from perf.suite.runner import cpu_isa, cpu_model, machine_name
 from perf.suite.stats import common_prefix
 from perf.suite.texts import archive, pml_escape, sized
 
@@ -106,7 +106,7 @@ def speed(engines: dict, context: int, rounds: int, decode_tokens: int) -> dict:
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [f"# bf16 matmuls against fp32 — {env['machine']}", "",
-             f"Embedded model, {env['threads']} threads, {env['cpu']}, torch {env['torch']}. "
+             f"Embedded model, {env['threads']} threads, {env['cpu']} ({env['isa']['summary']}), torch {env['torch']}. "
              f"Command: `{env['command']}`", "", "## Fidelity (document QA)", "",
              "| path | questions | mean KL | max KL | first token agrees | identical answers | mean common prefix "
              "| accuracy fp32 | accuracy bf16 |", "|---|---|---|---|---|---|---|---|---|"]
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines.values():
             engine.add_schema(text)
     t0 = time.perf_counter()
-    result = {"environment": {"machine": machine_name(), "cpu": cpu_model(), "threads": args.threads,
+    result = {"environment": {"machine": machine_name(), "cpu": cpu_model(), "isa": cpu_isa(), "threads": args.threads,
                               "torch": torch.__version__, "command": "python -m perf.bench_matmul " + " ".join(sys.argv[1:] if argv is None else argv)},
               "fidelity": fidelity(engines, data, args.limit, args.tokens)}
     result["speed"] = speed(engines, args.context, args.rounds, args.decode_tokens)

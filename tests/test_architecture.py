@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "pckernels"
 
 FLOORS = {
-    "errors": 0, "kernels": 1, "ops": 2, "generation": 2, "integration": 3, "pml": 3,
+    "errors": 0, "typed": 0, "kernels": 1, "ops": 2, "generation": 2, "integration": 3, "pml": 3,
     "program": 4, "store": 4, "prefix": 5, "engine": 6, "server": 7, "cli": 8, "__main__": 8, "extras": 9,
 }
 """Top-level module or package of ``pckernels`` -> floor (``cli*.py`` files are the CLI's). ``extras``

@@ -25,6 +25,7 @@ import torch
 from pckernels.engine.graphs import StepGraphs
 from pckernels.engine.options import resolve_device, resolve_dtype
 from pckernels.errors import OptionError
+from pckernels.typed import typed_options
 from pckernels.integration.native import MATMULS, bf16_matmul_supported
 from pckernels.pml.placement import PLACEMENTS
 from pckernels.prefix.cache import RESUME
@@ -129,21 +130,9 @@ ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 def engine_config(config: EngineConfig | None = None, options: Mapping[str, Any] | None = None) -> EngineConfig:
     """The one way the engine's entry points turn what they were given into an
     :class:`EngineConfig`: ``config`` itself, or one built from the keyword ``options``
-    (:data:`ENGINE_OPTIONS`). Both at once, a ``config`` that is no ``EngineConfig`` or an unknown
-    keyword is a ``TypeError``; a bad value an :class:`~pckernels.errors.OptionError`."""
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
-    if unknown:
-        raise TypeError(f"unknown engine option(s) {', '.join(map(repr, unknown))}: they are "
-                        f"{', '.join(ENGINE_OPTIONS)}")
-    if config is None:
-        return EngineConfig(**options)
-    if not isinstance(config, EngineConfig):
-        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-    if options:
-        raise TypeError(f"give either config or engine options, not both (got config and "
-                        f"{', '.join(sorted(options))}); config.replace(...) changes a field")
-    return config
+    (:data:`ENGINE_OPTIONS`); mistakes are refused as :func:`pckernels.typed.typed_options` says,
+    a bad value is an :class:`~pckernels.errors.OptionError`."""
+    return typed_options(EngineConfig, config, options, ENGINE_OPTIONS, arg="config", what="engine option")
 
 
 def _checked(name: str, value: Any, check) -> Any:

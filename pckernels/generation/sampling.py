@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pckernels.errors import OptionError
+from pckernels.typed import typed_options
 
 MAX_LOGPROBS = 20
 """Most alternatives a request may ask for per token (OpenAI's ``top_logprobs`` limit)."""
@@ -122,21 +123,9 @@ class SamplingParams:
 
 def sampling_params(params: SamplingParams | None = None, options: Mapping[str, Any] | None = None) -> SamplingParams:
     """The one way the request methods turn what they were given into a :class:`SamplingParams`:
-    ``params`` itself, or one built from the loose keyword ``options`` (:data:`SAMPLING_OPTIONS`).
-    Both at once, a ``params`` that is no ``SamplingParams`` or an unknown keyword is a ``TypeError``."""
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(SAMPLING_OPTIONS))
-    if unknown:
-        raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}: sampling options are "
-                        f"{', '.join(SAMPLING_OPTIONS)}")
-    if params is None:
-        return SamplingParams(**options)
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-    if options:
-        raise TypeError(f"give either params or the sampling keywords, not both (got params and "
-                        f"{', '.join(sorted(options))}); dataclasses.replace(params, ...) changes a field")
-    return params
+    ``params`` itself, or one built from the loose keyword ``options`` (:data:`SAMPLING_OPTIONS`);
+    mistakes are refused as :func:`pckernels.typed.typed_options` says."""
+    return typed_options(SamplingParams, params, options, SAMPLING_OPTIONS, arg="params", what="sampling option")
 
 
 def _is_int(value: Any) -> bool:

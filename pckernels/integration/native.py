@@ -16,6 +16,14 @@ math from the model's own weights in about twenty ops per layer:
   mask costs a decode step 40% more attention), SDPA in query chunks for long prefills;
 * logits only for the rows asked for.
 
+The fp32 projections have two CPU paths (:data:`CPU_PATHS`), chosen once at load by
+:func:`default_cpu_path` and logged: ``"linear"`` keeps each weight ``[out, in]`` as the model has
+it (``F.linear``: MKL, oneDNN's inner product for 4-48 rows); ``"transposed"`` stores it ``[in, out]``
+contiguous and multiplies ``x @ W^T`` as ``mm(x, W^T)``, which MKL runs as a streaming GEMV on an
+AVX2-only CPU (the 49,152 x 576 LM head 1.7x faster, the layers' projections 1.25x at one row on an
+AMD EPYC; ``docs/cpu-isa.md``). The HF modules' weights become views of the transposed
+tensors, so only a tied LM head costs a copy. Each path is deterministic; they agree to rounding.
+
 ``matmul="bf16"`` (never the default) runs every projection and the LM head as oneDNN bf16 matmuls
 over weights packed once (AMX / AVX512-BF16 where the CPU has them), activations rounded to bf16
 at each matmul's input; everything else stays in the model's dtype. It changes numerics: the
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +71,11 @@ GEMM (``F.linear``): on the embedded model oneDNN is 15-35% faster for 4-48 rows
 (``perf/results/cpu-x86_64-1t/linear``), within a few percent either way on two except 8 rows
 (19% faster) and 48 (8% slower; ``perf/results/cpu-2c/linear``), and slower for one row."""
 
+CPU_PATHS = ("linear", "transposed")
+"""fp32 projection paths (module docstring); ``$PROMPTCACHE_CPU_PATH`` forces one."""
+
+CPU_PATH_ENV = "PROMPTCACHE_CPU_PATH"
+
 SELF_CHECK_TOL = 1e-3
 """Largest |native - HF| of fp32 logits (relative to their spread) the self-check accepts."""
 
@@ -77,14 +91,51 @@ def bf16_matmul_supported() -> bool:
     return any(check is not None and check() for check in checks)
 
 
-class _Projection:
-    """``x [n, in] -> [n, out]`` with the weight ``[out, in]`` (and bias) of one or more fused linears."""
+def default_cpu_path() -> str:
+    """The fp32 projection path for this host: ``$PROMPTCACHE_CPU_PATH`` when set, else
+    ``"transposed"`` where torch dispatches AVX2 kernels (an AVX2-only CPU, where it measured
+    faster) and ``"linear"`` elsewhere (AVX-512 hosts keep the path their figures were taken on)."""
+    forced = os.environ.get(CPU_PATH_ENV, "").strip()
+    if forced and forced != "auto":
+        if forced not in CPU_PATHS:
+            raise ValueError(f"${CPU_PATH_ENV} must be one of {('auto', *CPU_PATHS)}, got {forced!r}")
+        return forced
+    return "transposed" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "linear"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+
+class _Projection:
+    """``x [n, in] -> [n, out]`` with the weight ``[out, in]`` (and bias) of one or more fused linears.
+
+    ``views``: ``(module, start, stop)`` of the ``nn.Linear`` modules whose weights are rows
+    ``start:stop`` of ``weight``; they follow the weight when :meth:`set_layout` moves it. Without
+    them (a head tied to the embeddings) the transposed layout is a copy."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 views: list[tuple[torch.nn.Module, int, int]] | None = None) -> None:
         self.weight = weight
         self.bias = bias
+        self.views = views
+        self.weight_t: torch.Tensor | None = None
         self.packed = None
         self.bias16 = None
+
+    def set_layout(self, transposed: bool) -> None:
+        """Keep the fp32 weight ``[in, out]`` contiguous (``weight_t``; ``weight`` and the modules'
+        weights become views of it) or ``[out, in]`` as loaded."""
+        if transposed == (self.weight_t is not None):
+            return
+        if transposed:
+            self.weight_t = self.weight.detach().t().contiguous()
+            if self.views is None:
+                return
+            self.weight = self.weight_t.t()
+        else:
+            self.weight_t = None
+            if self.views is None:
+                return
+            self.weight = self.weight.contiguous()
+        for module, start, stop in self.views:
+            module.weight.data = self.weight[start:stop]
 
     def set_matmul(self, matmul: str) -> None:
         """``"bf16"``: pack a bf16 copy of the weight for oneDNN; ``"fp32"``: drop it."""
@@ -98,6 +149,10 @@ class _Projection:
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, self.bias16, "none", [], "")
             return y.to(x.dtype)
+        if self.weight_t is not None and x.dtype == self.weight_t.dtype:
+            if self.bias is None:
+                return torch.mm(x, self.weight_t)
+            return torch.addmm(self.bias, x, self.weight_t)
         lo, hi = ONEDNN_ROWS
         if lo <= x.shape[0] <= hi and x.dtype == torch.float32 and _ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -118,9 +173,9 @@ class _Layer:
     scaling: float
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One ``[sum(out), in]`` weight (and bias) for ``linears``; each module's parameters become
-    views into it, so the model computes as before with no extra memory."""
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+    """One ``[sum(out), in]`` weight (and bias) for ``linears`` and the modules' row ranges; each
+    module's parameters become views into it, so the model computes as before with no extra memory."""
     weight = torch.cat([m.weight.detach() for m in linears])
     has_bias = [m.bias is not None for m in linears]
     bias = None
@@ -128,13 +183,15 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
         bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
                           for m in linears])
     start = 0
+    views = []
     for m in linears:
         stop = start + m.out_features
         m.weight.data = weight[start:stop]
         if m.bias is not None:
             m.bias.data = bias[start:stop]
+        views.append((m, start, stop))
         start = stop
-    return weight, bias
+    return weight, bias, views
 
 
 def _recognised(model) -> str | None:
@@ -182,6 +239,7 @@ class NativeDecoder:
     def __init__(self, model, windows: list[int | None]) -> None:
         self.model = model
         self.matmul = "fp32"
+        self.cpu_path = "linear"
         inner = model.model
         config = model.config
         self.embed = inner.embed_tokens.weight
@@ -195,7 +253,9 @@ class NativeDecoder:
         self.rope_scaling = float(rotary.attention_scaling)
         self.norm = inner.norm.weight
         self.eps = float(inner.norm.variance_epsilon)
-        self.lm_head = _Projection(model.lm_head.weight, model.lm_head.bias)
+        head = model.lm_head
+        tied = head.weight is inner.embed_tokens.weight
+        self.lm_head = _Projection(head.weight, head.bias, None if tied else [(head, 0, head.out_features)])
         self.layers: list[_Layer] = []
         for index, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -207,9 +267,10 @@ class NativeDecoder:
                 norm_in=layer.input_layernorm.weight, qkv=_Projection(*qkv),
                 q_norm=None if q_norm is None else q_norm.weight,
                 k_norm=None if k_norm is None else k_norm.weight,
-                o=_Projection(attn.o_proj.weight, attn.o_proj.bias),
+                o=_Projection(attn.o_proj.weight, attn.o_proj.bias, [(attn.o_proj, 0, attn.o_proj.out_features)]),
                 norm_post=layer.post_attention_layernorm.weight,
-                gate_up=_Projection(*gate_up), down=_Projection(mlp.down_proj.weight, None),
+                gate_up=_Projection(*gate_up),
+                down=_Projection(mlp.down_proj.weight, None, [(mlp.down_proj, 0, mlp.down_proj.out_features)]),
                 window=windows[index], scaling=float(attn.scaling)))
         self.q_size = self.q_heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
@@ -225,14 +286,26 @@ class NativeDecoder:
             projection.set_matmul(matmul)
         self.matmul = matmul
 
+    def set_cpu_path(self, path: str) -> None:
+        """Run fp32 projections on ``path`` (one of :data:`CPU_PATHS`; module docstring)."""
+        if path not in CPU_PATHS:
+            raise ValueError(f"cpu_path must be one of {CPU_PATHS}, got {path!r}")
+        for projection in self.projections():
+            projection.set_layout(path == "transposed")
+        self.cpu_path = path
+
     @classmethod
-    def build(cls, model, windows: list[int | None], matmul: str = "fp32") -> "NativeDecoder | None":
+    def build(cls, model, windows: list[int | None], matmul: str = "fp32",
+              cpu_path: str | None = None) -> "NativeDecoder | None":
         """A decoder for ``model``, or None (logged) when its architecture is not recognised or
         it fails :func:`self_check` against the HF forward. ``matmul="bf16"`` raises
         ``ValueError`` instead of returning None: the caller asked for something only this
-        forward gives."""
+        forward gives. ``cpu_path`` (None: :func:`default_cpu_path`) is logged."""
         if matmul not in MATMULS:
             raise ValueError(f"matmul must be one of {MATMULS}, got {matmul!r}")
+        cpu_path = default_cpu_path() if cpu_path is None else cpu_path
+        if cpu_path not in CPU_PATHS:
+            raise ValueError(f"cpu_path must be one of {CPU_PATHS}, got {cpu_path!r}")
         why = _recognised(model)
         if why is None and matmul == "bf16" and not bf16_matmul_supported():
             why = "this CPU or torch build has no native bf16 matmul"
@@ -250,7 +323,10 @@ class NativeDecoder:
             log.warning("%s keeps HF's forward: the native forward disagrees with it (%s)",
                         type(model).__name__, error)
             return None
+        decoder.set_cpu_path(cpu_path)
         decoder.set_matmul(matmul)
+        log.info("%s runs promptcache's native forward: %s matmuls, CPU path %r (torch CPU capability %s)",
+                 type(model).__name__, matmul, cpu_path, torch.backends.cpu.get_cpu_capability())
         return decoder
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -229,6 +229,10 @@ def markdown(results: dict, plots: list[Path]) -> str:
              f"measurement, median (min–max). {env['started']}, {results['elapsed_s']:.0f} s ("
              + ", ".join(f"{name} {s:.0f} s" for name, s in results.get("seconds", {}).items()) + ").", "",
              f"Command: `{env['command']}`", ""]
+    if env.get("isa") and str(env.get("device", "cpu")).startswith("cpu"):
+        path = env.get("native_cpu_path")
+        lines += [f"CPU ISA: {env['isa']['summary']}"
+                  + (f"; native forward's CPU path `{path}`." if path else "; HF's forward (no native one)."), ""]
     if env.get("peak_rss_gib"):
         lines += [f"Peak resident memory of the process: {env['peak_rss_gib']:.2f} GiB.", ""]
     if load:

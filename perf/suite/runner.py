@@ -47,10 +47,44 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_isa() -> dict:
+    """What the CPU offers the fp32/bf16 kernels, recorded beside every CPU figure: torch's
+    dispatch level (``torch.backends.cpu.get_cpu_capability()``), the relevant /proc/cpuinfo
+    flags, whether oneDNN bf16 matmuls run natively, and a one-line ``summary``
+    ("AVX2+FMA, no AVX-512, no AMX, bf16 no")."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    from pckernels.integration.native import bf16_matmul_supported, default_cpu_path
+
+    present = [f for f in ISA_FLAGS if f in flags]
+    avx512, amx = "avx512f" in flags, "amx_tile" in flags
+    bf16 = bf16_matmul_supported()
+    base = "AVX2+FMA" if {"avx2", "fma"} <= flags else ("AVX2" if "avx2" in flags else "no AVX2")
+    summary = (f"{base}, {'AVX-512' if avx512 else 'no AVX-512'}, {'AMX' if amx else 'no AMX'}, "
+               f"bf16 {'yes' if bf16 else 'no'}; torch {torch.backends.cpu.get_cpu_capability()}")
+    try:
+        path = default_cpu_path()
+    except ValueError as exc:
+        path = str(exc)
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "flags": present, "avx512": avx512,
+            "amx": amx, "bf16_matmul": bf16, "native_cpu_path": path, "summary": summary}
+
+
 def environment(engine: PromptCache) -> dict:
     import transformers
 
+    native = getattr(engine.adapter, "native", None)
     return {"machine": machine_name(engine.device), "cpu": cpu_model(), "cores": os.cpu_count(),
+            "isa": cpu_isa(), "native_cpu_path": None if native is None else native.cpu_path,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "device": str(engine.device), "dtype": str(engine.dtype),
             "matmul": engine.matmul, "numerics": engine.numerics, "prefix_resume": engine.prefix_resume,
