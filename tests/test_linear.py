@@ -63,6 +63,19 @@ def test_linear_autograd_falls_back_and_has_gradients():
     assert x.grad is not None and w.grad is not None
 
 
+def test_a_strided_weight_goes_to_f_linear():
+    """The transposed CPU path leaves the HF modules' weights as views of ``[in, out]`` tensors
+    (columns of a fused weight): oneDNN would reorder such a weight on every call, so the op hands
+    it to ``F.linear`` — bitwise F.linear's product."""
+    torch.manual_seed(3)
+    fused = torch.randn(24, 37)  # [in, out_total]
+    w = fused[:, 5:16].t()  # [11, 24], strides (1, 37)
+    x = torch.randn(7, 24)
+    assert not w.is_contiguous()
+    assert not lib.onednn_linear_usable(x, w)
+    assert torch.equal(ops.linear(x, w), F.linear(x, w))
+
+
 @pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN")
 def test_linear_auto_takes_onednn_on_cpu_fp32():
     x, w = torch.randn(3, 8), torch.randn(5, 8)
