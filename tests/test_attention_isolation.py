@@ -96,7 +96,7 @@ def padded_forward(model) -> torch.Tensor:
 def test_the_selection_is_per_instance_and_plain_calls_are_hf_sdpa(tokenizer, monkeypatch, cpu_path):  # noqa: F811
     """The engine's model uses promptcache's attention, its twin keeps ``sdpa``; HF's own
     (padded, 2D-masked) forward of the engine's model is bitwise the twin's on the ``linear`` CPU
-    path. On ``transposed`` (chosen on AVX2 hosts: the modules' weights become views of ``[in, out]``
+    path. On ``transposed`` (opt-in, ``$PROMPTCACHE_CPU_PATH``: the modules' weights become views of ``[in, out]``
     tensors, so their matmuls round differently) it equals the twin's to fp32 rounding."""
     monkeypatch.setenv(native_mod.CPU_PATH_ENV, cpu_path)
     pc = PromptCache(BY_NAME["llama"].build(len(tokenizer)), tokenizer, placement="schema")  # fresh: its own path

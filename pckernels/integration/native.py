@@ -17,7 +17,7 @@ math from the model's own weights in about twenty ops per layer:
 * logits only for the rows asked for.
 
 The fp32 projections have two CPU paths (:data:`CPU_PATHS`), chosen once at load by
-:func:`default_cpu_path` and logged: ``"linear"`` keeps each weight ``[out, in]`` as the model has
+:func:`default_cpu_path` (``"linear"`` unless ``$PROMPTCACHE_CPU_PATH`` says otherwise) and logged: ``"linear"`` keeps each weight ``[out, in]`` as the model has
 it (``F.linear``: MKL, oneDNN's inner product for 4-48 rows); ``"transposed"`` stores it ``[in, out]``
 contiguous and multiplies ``x @ W^T`` as ``mm(x, W^T)``, which MKL runs as a streaming GEMV on an
 AVX2-only CPU (the 49,152 x 576 LM head 1.7x faster, the layers' projections 1.25x at one row on an
@@ -93,14 +93,16 @@ def bf16_matmul_supported() -> bool:
 
 def default_cpu_path() -> str:
     """The fp32 projection path for this host: ``$PROMPTCACHE_CPU_PATH`` when set, else
-    ``"transposed"`` where torch dispatches AVX2 kernels (an AVX2-only CPU, where it measured
-    faster) and ``"linear"`` elsewhere (AVX-512 hosts keep the path their figures were taken on)."""
+    ``"linear"`` on every host. ``"transposed"`` is opt-in: on the AVX2-only EPYC it decodes one
+    stream ~10% faster but 8 streams ~25% slower (its ``mm`` over 8 rows against oneDNN's inner
+    product; ``python -m perf.bench_loop --decode-streams 1 8``, quiet machine: 87 vs 66 tok/s), and
+    serving many streams is what the engine is for."""
     forced = os.environ.get(CPU_PATH_ENV, "").strip()
     if forced and forced != "auto":
         if forced not in CPU_PATHS:
             raise ValueError(f"${CPU_PATH_ENV} must be one of {('auto', *CPU_PATHS)}, got {forced!r}")
         return forced
-    return "transposed" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "linear"
+    return "linear"
 
 
 class _Projection:
