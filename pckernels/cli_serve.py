@@ -49,7 +49,8 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
           disk_budget: Optional[str] = typer.Option(None, help="Disk tier budget."),
           kv_budget: Optional[str] = typer.Option(None, help="KV arena budget of running requests."),
           remote: Optional[str] = typer.Option(None, help="Redis/Valkey URL (redis://host:port/db) of a tier shared "
-                                                          "by a fleet of servers."),
+                                                          "by a fleet of servers; a cluster: any node's URL, or "
+                                                          "redis+cluster://host:port[,host:port...]."),
           remote_namespace: str = typer.Option("promptcache", help="Key prefix in the --remote server."),
           max_queue: int = typer.Option(256, help="Requests that may wait; more get 429."),
           max_batch: int = typer.Option(64, help="Requests decoded together."),

@@ -37,7 +37,8 @@ def encode(schema: Path = typer.Argument(..., help="Schema file to encode."),
            model: str = typer.Option("smollm2", help=MODEL_HELP),
            store_dir: Optional[Path] = typer.Option(None, help=_STORE_DIR_HELP),
            remote: Optional[str] = typer.Option(None, help="Also upload the blocks to this Redis/Valkey server "
-                                                           "(redis://host:port/db) for a fleet."),
+                                                           "(redis://host:port/db) or cluster "
+                                                           "(redis+cluster://host:port[,...]) for a fleet."),
            remote_namespace: str = typer.Option("promptcache", help="Key prefix in the --remote server."),
            device: Optional[str] = typer.Option(None, help="cpu, cuda, … (default: best available)."),
            dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16."),

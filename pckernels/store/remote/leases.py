@@ -45,7 +45,8 @@ class Leases:
         token = uuid.uuid4().hex
         try:
             taken = self.health.call("claiming a block", lambda: self.wire.client.set(
-                self.wire.lease_key(key.digest), token, nx=True, px=max(1, int(self.lease_s * 1000))), True)
+                self.wire.lease_key(key.digest), token, nx=True, px=max(1, int(self.lease_s * 1000))), True,
+                key=self.wire.meta_key(key.digest))
         except self._redis_error as exc:
             log.debug("cannot take the lease of %s (%s); encoding without one", key.digest[:16], exc)
             return True
@@ -64,7 +65,7 @@ class Leases:
             try:
                 state = self.health.call("waiting for a block", lambda: self.wire.client.pipeline(
                     transaction=False).exists(self.wire.meta_key(key.digest)).exists(
-                    self.wire.lease_key(key.digest)).execute())
+                    self.wire.lease_key(key.digest)).execute(), key=self.wire.meta_key(key.digest))
             except self._redis_error:
                 return False
             if state is None:
@@ -83,6 +84,6 @@ class Leases:
         if token is not None:
             try:
                 self.health.call("releasing a lease", lambda: self.wire.client.eval(
-                    _RELEASE, 1, self.wire.lease_key(key.digest), token))
+                    _RELEASE, 1, self.wire.lease_key(key.digest), token), key=self.wire.meta_key(key.digest))
             except self._redis_error as exc:
                 log.debug("cannot release the lease of %s: %s", key.digest[:16], exc)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pckernels.store.blocks import TierStats
 
@@ -22,5 +22,7 @@ class RemoteStats(TierStats):
     dropped_writes: int = 0
     """Writes not made: the write queue was full, the server was unreachable or refused (full)."""
     errors: int = 0
-    """Connection errors and timeouts."""
+    """Connection errors and timeouts (and, on a cluster, its being down or lacking a slot's master)."""
+    node_errors: dict[str, int] = field(default_factory=dict)
+    """Of ``errors``, those of one cluster master, by its ``host:port``."""
     reconnects: int = 0

@@ -17,6 +17,7 @@ import torch
 
 from pckernels.store.blocks import BlockFileError
 from pckernels.store.keys import BlockKey
+from pckernels.store.remote.connect import Connector
 from pckernels.store.remote.health import Health
 from pckernels.store.remote.leases import Leases
 from pckernels.store.remote.stats import RemoteStats
@@ -54,8 +55,6 @@ class RemoteTier:
                  max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, backoff_s: tuple[float, float] = BACKOFF_S,
                  lease_s: float = DEFAULT_LEASE_S, client=None) -> None:
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         self.url = parse_remote_url(url)
         if not namespace or any(c.isspace() for c in namespace):
@@ -65,18 +64,28 @@ class RemoteTier:
         self.namespace = namespace
         self.chunk_bytes = int(chunk_bytes)
         self._redis = redis
-        self.client = client if client is not None else redis.Redis.from_url(
-            self.url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
+        self.connector = Connector(self.url, timeout_s, connect_timeout_s, client)
         self.stats = RemoteStats()
         self._lock = threading.Lock()
         """Guards ``stats`` (shared with the health and the write queue)."""
         self._warned_full = False
-        self.wire = Wire(self.client, namespace, self.chunk_bytes)
-        self.health = Health(self.url, backoff_s, self.stats, self._lock)
+        self.wire = Wire(self.connector, namespace, self.chunk_bytes)
+        self.health = Health(self.url, backoff_s, self.stats, self._lock, self.connector)
         self.leases = Leases(self.wire, self.health, lease_s, self.contains)
-        self.writes = WriteQueue(self._write, self.leases.release, self.health, self.stats, self._lock,
-                                 max_pending_bytes)
+        self.writes = WriteQueue(self._write, self.leases.release,
+                                 lambda key: self.health.available_for(self.meta_key(key.digest)), self.stats,
+                                 self._lock, max_pending_bytes)
+
+    @property
+    def client(self):
+        """The ``redis.Redis`` (one server) or ``redis.cluster.RedisCluster``, connected on first use
+        (``redis.ConnectionError`` when it cannot be now)."""
+        return self.connector.client
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the server is a cluster (known from the first connection on)."""
+        return self.connector.cluster
 
     def meta_key(self, digest: str) -> str:
         return self.wire.meta_key(digest)
@@ -115,14 +124,19 @@ class RemoteTier:
 
     def contains(self, key: BlockKey) -> bool:
         """Whether the server holds metadata for ``key`` (its chunks are checked on read)."""
-        return bool(self.health.call("looking up a block", lambda: self.client.exists(self.meta_key(key.digest)), 0))
+        try:
+            return bool(self.health.call("looking up a block", lambda: self.client.exists(self.meta_key(key.digest)),
+                                         0, key=self.meta_key(key.digest)))
+        except self._redis.RedisError as exc:
+            log.warning("remote lookup of block %s failed: %s", key.label, exc)
+            return False
 
     def read(self, key: BlockKey, *, pin: bool = False) -> torch.Tensor | None:
         """The verified block ``[L, 2, H, n, D]`` in CPU memory (pinned when ``pin``), or ``None`` when
         the server lacks it, cannot be reached, or holds an unusable value (then deleted)."""
         t0 = time.perf_counter()
         try:
-            block = self.health.call("reading a block", lambda: self.wire.read(key, pin))
+            block = self.health.call("reading a block", lambda: self.wire.read(key, pin), key=self.meta_key(key.digest))
         except BlockFileError as exc:
             self._discard(key, str(exc), getattr(exc, "names", []))
             block = None
@@ -147,7 +161,8 @@ class RemoteTier:
         with self._lock:
             self.stats.discard(reason)
         try:
-            self.health.call("deleting a bad block", lambda: self.client.delete(self.meta_key(key.digest), *chunks))
+            self.health.call("deleting a bad block", lambda: self.client.delete(self.meta_key(key.digest), *chunks),
+                             key=self.meta_key(key.digest))
         except self._redis.RedisError as exc:
             log.warning("cannot delete remote block %s: %s", key.digest[:16], exc)
 
@@ -168,7 +183,9 @@ class RemoteTier:
 
     def _write(self, key: BlockKey, block: Block) -> None:
         """Upload ``block`` unless the server holds ``key`` (the write queue's thread)."""
-        present = self.health.call("checking a block", lambda: self.client.exists(self.meta_key(key.digest)))
+        name = self.meta_key(key.digest)
+        present = self.health.call("checking a block", lambda: self.client.exists(self.meta_key(key.digest)),
+                                   key=name)
         if present is None:
             with self._lock:
                 self.stats.dropped_writes += 1
@@ -181,7 +198,7 @@ class RemoteTier:
         tensor = tensor.detach().to("cpu").contiguous()
         t0 = time.perf_counter()
         try:
-            outcome = self.health.call("writing a block", lambda: self.wire.upload(key, tensor))
+            outcome = self.health.call("writing a block", lambda: self.wire.upload(key, tensor), key=name)
         except self._redis.ResponseError as exc:
             self._refused(key, exc)
             return
@@ -212,19 +229,31 @@ class RemoteTier:
         if not self.writes.close(timeout_s):
             return
         try:
-            self.client.close()
+            self.connector.close()
         except Exception:
             log.debug("closing the remote client failed", exc_info=True)
 
     def describe(self) -> dict:
         """Counters and state for ``TieredStore.stats()``."""
+        down_reason = self.health.down_reason
+        cluster = self._describe_cluster()
         with self._lock:
             s = self.stats
-            down_reason = self.health.down_reason
             return {"url": redact(self.url), "namespace": self.namespace, "up": down_reason is None,
                     "down_reason": down_reason, "hits": s.hits, "misses": s.misses,
                     "bytes_read": s.bytes_read, "read_s": s.read_s, "writes": s.writes,
                     "bytes_written": s.bytes_written, "write_s": s.write_s, "present": s.present,
                     "lost_races": s.lost_races, "dropped_writes": s.dropped_writes, "errors": s.errors,
                     "reconnects": s.reconnects, "discarded": s.discarded, "discard_reasons": dict(s.reasons),
-                    "pending_bytes": self.writes.pending_bytes, "chunk_bytes": self.chunk_bytes}
+                    "pending_bytes": self.writes.pending_bytes, "chunk_bytes": self.chunk_bytes,
+                    "cluster": cluster}
+
+    def _describe_cluster(self) -> dict | None:
+        """``None`` for one server (or before the first connection); for a cluster its masters as the
+        client knows them, those in back-off, and the faults counted per master."""
+        if not self.connector.cluster:
+            return None
+        nodes_down = self.health.nodes_down()
+        with self._lock:
+            node_errors = dict(self.stats.node_errors)
+        return {"nodes": self.connector.nodes(), "nodes_down": nodes_down, "node_errors": node_errors}

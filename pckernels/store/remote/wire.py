@@ -1,12 +1,14 @@
 """The remote tier's wire format: a block as JSON metadata plus chunks of its bytes, checked on read.
 
-Layout under ``namespace`` (default ``promptcache``), for a block of key digest ``d``:
+Layout under namespace ``ns`` (default ``promptcache``), for a block of key digest ``d`` (on a
+cluster ``t`` is ``{d}`` with the braces, a hash tag: a block's keys share one slot, hence one
+master, while blocks spread over the slots; on one server ``t`` is ``d``):
 
-* ``{ns}:kv:{d}`` — the block's metadata, JSON: format, key, dtype, shape, byte count, chunk
+* ``ns:kv:t`` — the block's metadata, JSON: format, key, dtype, shape, byte count, chunk
   size, sha256 of the bytes, the writer's id and the descriptive fields of the key;
-* ``{ns}:kv:{d}:{writer}:{i}`` — chunk ``i`` of the block's bytes (``chunk_bytes`` each but the
+* ``ns:kv:t:writer:i`` — chunk ``i`` of the block's bytes (``chunk_bytes`` each but the
   last; Redis values stop at 512 MB, a 4K-token module of a 7B model is ~2 GB);
-* ``{ns}:lease:{d}`` — the block's encoding lease (``leases.py``).
+* ``ns:lease:t`` — the block's encoding lease (``leases.py``).
 
 An upload sends the chunks with pipelines, then sets the metadata with ``SET NX``: the first
 complete copy wins, a writer that loses the race deletes its own chunks, so two processes writing
@@ -27,6 +29,7 @@ import torch
 
 from pckernels.store.blocks import DTYPE_NAMES, DTYPES, BlockFileError, check_expected, tensor_bytes
 from pckernels.store.keys import FORMAT_VERSION, BlockKey
+from pckernels.store.remote.connect import Connector
 
 REMOTE_FORMAT = f"promptcache-remote/{FORMAT_VERSION}"
 PIPELINE_BYTES = 64 << 20
@@ -34,30 +37,40 @@ PIPELINE_BYTES = 64 << 20
 
 
 class Wire:
-    """Blocks of one ``namespace`` on the server behind ``client``, in chunks of ``chunk_bytes``."""
+    """Blocks of one ``namespace`` on the server behind ``connector``, in chunks of ``chunk_bytes``.
+    Key names depend on whether the server is a cluster: take the client (:attr:`client`) first."""
 
-    def __init__(self, client, namespace: str, chunk_bytes: int) -> None:
+    def __init__(self, connector: Connector, namespace: str, chunk_bytes: int) -> None:
         import redis
 
-        self.client = client
+        self.connector = connector
         self.namespace = namespace
         self.chunk_bytes = chunk_bytes
         self._redis_error = redis.RedisError
 
+    @property
+    def client(self):
+        """The connected client (``Connector.client``)."""
+        return self.connector.client
+
+    def _tag(self, digest: str) -> str:
+        return f"{{{digest}}}" if self.connector.cluster else digest
+
     def meta_key(self, digest: str) -> str:
-        return f"{self.namespace}:kv:{digest}"
+        return f"{self.namespace}:kv:{self._tag(digest)}"
 
     def chunk_key(self, digest: str, writer: str, index: int) -> str:
-        return f"{self.namespace}:kv:{digest}:{writer}:{index}"
+        return f"{self.namespace}:kv:{self._tag(digest)}:{writer}:{index}"
 
     def lease_key(self, digest: str) -> str:
-        return f"{self.namespace}:lease:{digest}"
+        return f"{self.namespace}:lease:{self._tag(digest)}"
 
     def read(self, key: BlockKey, pin: bool) -> torch.Tensor | None:
         """The verified block of ``key`` in CPU memory (pinned when ``pin``), ``None`` when the server
         has no metadata for it; ``BlockFileError`` when the value must not be used (its ``names``:
         the chunks to delete with the metadata)."""
-        raw = self.client.get(self.meta_key(key.digest))
+        client = self.client
+        raw = client.get(self.meta_key(key.digest))
         if raw is None:
             return None
         meta = parse_meta(raw, key)
@@ -80,7 +93,7 @@ class Wire:
         per_round = max(1, PIPELINE_BYTES // chunk)
         offset = 0
         for first in range(0, count, per_round):
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.client.pipeline(transaction=False)  # one slot on a cluster: one master, one round trip
             for index in range(first, min(first + per_round, count)):
                 pipe.get(self.chunk_key(key.digest, writer, index))
             for value in pipe.execute():
@@ -99,6 +112,7 @@ class Wire:
     def upload(self, key: BlockKey, tensor: torch.Tensor) -> bool:
         """Chunks of the CPU ``tensor``, then the metadata with ``SET NX``; returns whether this copy
         is the one kept (a copy that lost the race, or failed, has its chunks deleted)."""
+        client = self.client  # connects first: the key names depend on the mode
         data = tensor_bytes(tensor) if tensor.numel() else np.zeros(0, dtype=np.uint8)
         nbytes = data.nbytes
         writer = uuid.uuid4().hex[:12]
@@ -109,14 +123,14 @@ class Wire:
         try:
             per_round = max(1, PIPELINE_BYTES // chunk)
             for first in range(0, count, per_round):
-                pipe = self.client.pipeline(transaction=False)
+                pipe = client.pipeline(transaction=False)
                 for index in range(first, min(first + per_round, count)):
                     pipe.set(names[index], memoryview(data[index * chunk:(index + 1) * chunk]))
                 pipe.execute()
             meta = {"format": REMOTE_FORMAT, "key": key.digest, "dtype": DTYPE_NAMES[tensor.dtype],
                     "shape": list(tensor.shape), "nbytes": nbytes, "chunk_bytes": chunk, "chunks": count,
                     "writer": writer, "sha256": checksum, **key.describe()}
-            kept = bool(self.client.set(self.meta_key(key.digest), json.dumps(meta), nx=True))
+            kept = bool(client.set(self.meta_key(key.digest), json.dumps(meta), nx=True))
         except BaseException:
             self._forget_chunks(names)
             raise
@@ -128,8 +142,8 @@ class Wire:
         if not names:
             return
         try:
-            self.client.delete(*names)
-        except self._redis_error:
+            self.client.delete(*names)  # one slot on a cluster: one DEL
+        except Exception:  # the server or cluster cannot answer: the chunks age out (LRU)
             pass
 
 

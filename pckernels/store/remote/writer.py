@@ -1,8 +1,9 @@
 """The remote tier's write-behind queue: uploads never wait on, or fail, a request.
 
 ``put`` queues a block (or a function making it) and returns at once; one writer thread works
-through the queue. Bytes waiting are bounded by ``max_pending_bytes``: past it, while the server is
-in back-off, or once closed, a write is dropped (counted) and its encoding lease released.
+through the queue. Bytes waiting are bounded by ``max_pending_bytes``: past it, while the server (on
+a cluster: the master holding the block) is in back-off, or once closed, a write is dropped
+(counted) and its encoding lease released.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Callable
 import torch
 
 from pckernels.store.keys import BlockKey
-from pckernels.store.remote.health import Health
 from pckernels.store.remote.stats import RemoteStats
 
 log = logging.getLogger(__name__)
@@ -26,14 +26,15 @@ Block = torch.Tensor | Callable[[], torch.Tensor]
 
 class WriteQueue:
     """Blocks waiting for ``write(key, block)`` on the writer thread, which then calls ``release(key)``.
-    ``health`` refuses writes while the server is in back-off; drops are counted in ``stats``
-    under ``lock`` (the tier's)."""
+    ``ready(key)`` is false while the server (or the cluster master holding ``key``) is in back-off:
+    such writes are refused; drops are counted in ``stats`` under ``lock`` (the tier's)."""
 
     def __init__(self, write: Callable[[BlockKey, Block], None], release: Callable[[BlockKey], None],
-                 health: Health, stats: RemoteStats, lock: threading.Lock, max_pending_bytes: int) -> None:
+                 ready: Callable[[BlockKey], bool], stats: RemoteStats, lock: threading.Lock,
+                 max_pending_bytes: int) -> None:
         self.write = write
         self.release = release
-        self.health = health
+        self.ready = ready
         self.stats = stats
         self.max_pending_bytes = int(max_pending_bytes)
         self._lock = lock
@@ -52,8 +53,9 @@ class WriteQueue:
 
     def put(self, key: BlockKey, block: Block, nbytes: int) -> bool:
         """Queue ``block`` (``nbytes``, for the bound) unless refused; returns whether it was queued."""
+        ready = self.ready(key)
         with self._lock:
-            refused = bool(self._closed or not self.health.available or (
+            refused = bool(self._closed or not ready or (
                 self._pending_bytes + nbytes > self.max_pending_bytes and self._pending_bytes))
             if refused:
                 self.stats.dropped_writes += 1
