@@ -117,8 +117,8 @@ class LocalRedis:
 
 class LocalRedisCluster:
     """A Redis Cluster of ``masters`` (3) ``redis-server --cluster-enabled yes`` processes on loopback,
-    no replicas, joined with ``redis-cli --cluster create``; ``start`` waits until every node says
-    ``cluster_state:ok``.
+    each with ``replicas`` (0) more, joined with ``redis-cli --cluster create``; ``start`` waits
+    until every node says ``cluster_state:ok``.
 
     ``node_timeout_ms``: how soon the others flag a dead node as failed; ``full_coverage``: the
     servers' ``cluster-require-full-coverage`` (``False``: the live masters keep serving their slots
@@ -127,7 +127,7 @@ class LocalRedisCluster:
     slots. Use as a context manager or call ``stop``.
     """
 
-    def __init__(self, masters: int = 3, node_timeout_ms: int = 1000, full_coverage: bool = False,
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000, full_coverage: bool = False,
                  extra: list[str] | None = None) -> None:
         cli = cli_binary()
         if cli is None:
@@ -137,8 +137,9 @@ class LocalRedisCluster:
         args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(int(node_timeout_ms)),
                 "--cluster-require-full-coverage", "yes" if full_coverage else "no", *(extra or [])]
+        self.replicas = int(replicas)
         self.nodes: list[LocalRedis] = []
-        for i in range(masters):
+        for i in range(masters * (1 + self.replicas)):
             node_dir = os.path.join(self.dir, f"node{i}")
             os.makedirs(node_dir)
             # The cluster bus port is set (Redis >= 7): the default, port + 10000, may be taken or past 65535.
@@ -159,7 +160,7 @@ class LocalRedisCluster:
             for node in self.nodes:
                 node.start()
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
-            done = subprocess.run([self.cli, "--cluster", "create", *addresses, "--cluster-replicas", "0",
+            done = subprocess.run([self.cli, "--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas),
                                    "--cluster-yes"], capture_output=True, text=True,
                                   timeout=max(1.0, deadline - time.monotonic()))
             if done.returncode != 0:
@@ -182,6 +183,20 @@ class LocalRedisCluster:
                 raise TimeoutError(f"the cluster did not reach cluster_state:ok within {timeout_s} s: {states}")
             time.sleep(0.05)
 
+    def masters(self) -> list[int]:
+        """Indices of the running nodes that are masters now (``ROLE``)."""
+        out = []
+        for i, node in enumerate(self.nodes):
+            if node.proc is None:
+                continue
+            try:
+                with node.client(socket_timeout=1.0) as client:
+                    if client.execute_command("ROLE")[0] in (b"master", "master"):
+                        out.append(i)
+            except Exception:
+                continue
+        return out
+
     def info(self, i: int) -> dict[str, str]:
         """``CLUSTER INFO`` of node ``i`` as a dict (empty when it does not answer)."""
         try:
@@ -199,7 +214,7 @@ class LocalRedisCluster:
         return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in self.nodes], **options)
 
     def node_of(self, key: str | bytes, client=None) -> int:
-        """Index of the master that holds ``key``'s slot, by the slot map of ``client`` (a
+        """Index of the node (the master) that holds ``key``'s slot, by the slot map of ``client`` (a
         :meth:`client`, made here when not given)."""
         own = client is None
         client = client or self.client()

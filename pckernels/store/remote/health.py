@@ -8,7 +8,9 @@ On a cluster the back-off is per master: a call about a key goes to the master h
 slot (``Connector.node_of``), and only that master's fault pauses the calls about its keys, so a
 dead master costs the misses of its slots while the others serve theirs. Faults are counted per
 master too (``RemoteStats.node_errors``). Cluster-wide faults (no node reachable, the cluster
-reporting ``CLUSTERDOWN``, a slot no master holds) pause every call, like a single server's.
+reporting ``CLUSTERDOWN``, a slot no master holds) pause every call, like a single server's. When
+the cluster reconfigures (a replica takes a dead master's slots over), redis-py refreshes its slot
+map on the next fault, calls go to the new master, and the old one's back-off is forgotten.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class Health:
         self._answered(node)
         if node != WHOLE:
             self._answered(WHOLE)
+            if len(self._states) > 1 or WHOLE not in self._states:
+                self._forget_gone()
         return out
 
     def _node(self, key: str | None) -> str:
@@ -134,6 +138,22 @@ class Health:
             where = redact(self.url) if node == WHOLE else f"{redact(self.url)} (cluster node {node})"
             log.warning("remote tier %s unreachable while %s (%s); serving from local tiers and retrying "
                         "with back-off", where, doing, state.reason)
+
+    def _forget_gone(self) -> None:
+        """End the back-off of masters that hold no slots any more (a replica took them over, or they
+        were resharded away): the cluster recovered without them."""
+        masters = set(self.connector.nodes())
+        if not masters:
+            return
+        with self._lock:
+            gone = [node for node, s in self._states.items()
+                    if node != WHOLE and node not in masters and s.reason is not None]
+            for node in gone:
+                del self._states[node]
+                self.stats.reconnects += 1
+        for node in gone:
+            log.warning("remote tier %s: cluster node %s holds no slots any more (failed over or resharded); "
+                        "its keys are served by their new masters", redact(self.url), node)
 
     def _answered(self, node: str) -> None:
         state = self._states.get(node)
