@@ -221,6 +221,39 @@ def test_a_failover_to_a_replica_brings_the_blocks_back(tmp_path):
         tier.close()
 
 
+def test_a_cluster_that_requires_full_coverage_goes_down_whole_and_comes_back(tmp_path):
+    """With the servers' default ``cluster-require-full-coverage yes``, a dead master soon makes every
+    node answer ``CLUSTERDOWN``: the whole tier backs off (all misses, nothing raised, no value
+    discarded), and serves again, bit-exact, once the master is back."""
+    with LocalRedisCluster(full_coverage=True, node_timeout_ms=500) as cluster:
+        tier = RemoteTier(cluster.url, chunk_bytes=64, timeout_s=0.5, connect_timeout_s=0.2, backoff_s=(0.1, 0.4))
+        blocks = {block_key(i, (2, 2, 1, 4, 3)): torch.randn(2, 2, 1, 4, 3) for i in range(12)}
+        for k, b in blocks.items():
+            tier.write_behind(k, b, 1)
+        assert tier.flush(20)
+        cluster.kill(1)
+        deadline = time.monotonic() + 30
+        while cluster.info(0).get("cluster_state") != "fail":
+            assert time.monotonic() < deadline, "the cluster never noticed the dead master"
+            time.sleep(0.1)
+        time.sleep(0.5)  # past the back-off of faults the dead master itself caused
+        assert all(tier.read(k) is None for k in blocks) and not tier.contains(next(iter(blocks)))
+        stats = tier.describe()
+        assert not stats["up"] and "ClusterDown" in stats["down_reason"] and stats["discarded"] == 0, stats
+        cluster.restart(1)
+        deadline = time.monotonic() + 30
+        while True:
+            got = {k: tier.read(k) for k in blocks}
+            survivors = [k for k, v in got.items() if v is not None]
+            if len(survivors) == len(blocks) - sum(cluster.node_of(tier.meta_key(k.digest)) == 1 for k in blocks):
+                break
+            assert time.monotonic() < deadline, "the tier did not serve again after the cluster recovered"
+            time.sleep(0.1)
+        assert survivors and all(torch.equal(got[k], blocks[k]) for k in survivors)
+        assert tier.describe()["up"] and tier.describe()["reconnects"] >= 1
+        tier.close()
+
+
 # -- engines sharing the cluster --------------------------------------------------------------------
 
 

@@ -1,4 +1,5 @@
-"""The remote tier: encoded blocks shared by a fleet of processes through Redis or Valkey.
+"""The remote tier: encoded blocks shared by a fleet of processes through Redis or Valkey, one
+server or a cluster (``connect.py``: ``redis+cluster://`` or any node's URL, detected).
 
 A block is JSON metadata plus chunks of its bytes, checked on read (``wire.py``). Writes are
 idempotent and never on a request's critical path: a background thread uploads them
