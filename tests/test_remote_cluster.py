@@ -102,6 +102,44 @@ def test_serve_and_encode_refuse_a_bad_cluster_url_at_start(tmp_path, monkeypatc
         assert_one_line_error(result, "--remote", "only database 0")
 
 
+def test_the_cluster_metrics_are_exported(live):
+    """``/metrics`` families from ``RemoteTier.describe()``: per-master fault counters and masters
+    down for a cluster; for one server the same names, the counter without samples, 0 down."""
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from pckernels.server.metrics import _remote_metrics
+
+    def exported(describe: dict) -> str:
+        class One:
+            def collect(self):
+                return _remote_metrics(describe)
+
+        registry = CollectorRegistry()
+        registry.register(One())
+        return generate_latest(registry).decode()
+
+    tier = RemoteTier(live.url, timeout_s=0.5, connect_timeout_s=0.2)
+    client = live.client()
+    k = next(k for k in (block_key(i, (1, 2, 1, 2, 2)) for i in range(100))
+             if live.node_of(tier.meta_key(k.digest), client) == 2)  # a block of the master about to die
+    client.close()
+    tier.contains(k)
+    live.kill(2)
+    assert tier.read(k) is None
+    text = exported(tier.describe())
+    dead, alive = f"127.0.0.1:{live.nodes[2].port}", f"127.0.0.1:{live.nodes[0].port}"
+    assert f'promptcache_remote_cluster_node_errors_total{{node="{dead}"}} 1.0' in text, text
+    assert f'promptcache_remote_cluster_node_errors_total{{node="{alive}"}} 0.0' in text
+    assert "promptcache_remote_cluster_nodes_down 1.0" in text
+    tier.close(timeout_s=0)
+    single = RemoteTier("redis://127.0.0.1:1/0")
+    text = exported(single.describe())
+    assert "# TYPE promptcache_remote_cluster_node_errors_total counter" in text
+    assert "promptcache_remote_cluster_node_errors_total{" not in text and "promptcache_remote_cluster_nodes_down 0.0" in text
+    single.close(timeout_s=0)
+
+
 # -- the tier on its own --------------------------------------------------------------------------
 
 

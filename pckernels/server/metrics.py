@@ -124,17 +124,18 @@ def _remote_metrics(remote: dict):
         family = CounterMetricFamily(name, doc)
         family.add_metric([], remote.get(field, 0))
         yield family
-    cluster = remote.get("cluster")
-    if isinstance(cluster, dict):
-        nodes = CounterMetricFamily("promptcache_remote_cluster_node_errors",
-                                    "Remote connection errors and timeouts of one cluster master (its slots miss "
-                                    "while it backs off)", labels=["node"])
-        errors = cluster.get("node_errors", {})
-        for node in sorted(set(cluster.get("nodes", [])) | set(errors)):
-            nodes.add_metric([node], errors.get(node, 0))
-        yield nodes
-        yield _gauge("promptcache_remote_cluster_nodes_down", "Cluster masters in back-off after a fault",
-                     len(cluster.get("nodes_down", [])))
+    # Exported with any remote tier (for one server: the counter without samples, 0 down), so
+    # dashboards find the names.
+    cluster = remote.get("cluster") if isinstance(remote.get("cluster"), dict) else {}
+    nodes = CounterMetricFamily("promptcache_remote_cluster_node_errors",
+                                "Remote connection errors and timeouts of one cluster master (its slots miss "
+                                "while it backs off)", labels=["node"])
+    errors = cluster.get("node_errors", {})
+    for node in sorted(set(cluster.get("nodes", [])) | set(errors)):
+        nodes.add_metric([node], errors.get(node, 0))
+    yield nodes
+    yield _gauge("promptcache_remote_cluster_nodes_down", "Cluster masters in back-off after a fault",
+                 len(cluster.get("nodes_down", [])))
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
