@@ -69,7 +69,8 @@ def meta_names(client) -> list[bytes]:
 
 
 def test_cluster_urls():
-    assert parse_remote_url("valkey+cluster://10.0.0.1:7000,10.0.0.2:7000") == "redis+cluster://10.0.0.1:7000,10.0.0.2:7000"
+    assert parse_remote_url("valkey+cluster://10.0.0.1:7000,10.0.0.2:7000") == \
+        "redis+cluster://10.0.0.1:7000,10.0.0.2:7000"
     assert parse_remote_url("valkeys+cluster://:pw@h:1/0") == "rediss+cluster://:pw@h:1/0"
     assert cluster_nodes("rediss+cluster://u:pw@a:1,b:2") == ["rediss://u:pw@a:1", "rediss://u:pw@b:2"]
     assert cluster_nodes("redis://a:1/0") is None
@@ -136,7 +137,8 @@ def test_the_cluster_metrics_are_exported(live):
     single = RemoteTier("redis://127.0.0.1:1/0")
     text = exported(single.describe())
     assert "# TYPE promptcache_remote_cluster_node_errors_total counter" in text
-    assert "promptcache_remote_cluster_node_errors_total{" not in text and "promptcache_remote_cluster_nodes_down 0.0" in text
+    assert "promptcache_remote_cluster_node_errors_total{" not in text
+    assert "promptcache_remote_cluster_nodes_down 0.0" in text
     single.close(timeout_s=0)
 
 
@@ -184,7 +186,8 @@ def test_blocks_spread_over_every_master_and_each_keeps_to_one_slot(live):
         for url in got:
             assert got[url][k.digest].dtype == b.dtype and torch.equal(got[url][k.digest], b)
     strip = lambda meta: {f: v for f, v in meta.items() if f != "writer"}  # noqa: E731
-    assert sorted(map(strip, metas[single.url].values()), key=str) == sorted(map(strip, metas[live.url].values()), key=str)
+    assert sorted(map(strip, metas[single.url].values()), key=str) == \
+        sorted(map(strip, metas[live.url].values()), key=str)
 
     client = live.client()
     tier = RemoteTier(live.url)
@@ -416,7 +419,8 @@ def test_two_servers_on_the_cluster_answer_exactly_and_outlive_a_master(model_di
             _wait_ready(server, name, KEY_A)
 
         def contents(server):
-            replies = [chat(server, KEY_A, messages=[], extra_body={"pml": PML}), chat(server, KEY_A, messages=messages)]
+            replies = [chat(server, KEY_A, messages=[], extra_body={"pml": PML}),
+                       chat(server, KEY_A, messages=messages)]
             return [r.choices[0].message.content for r in replies]
 
         install(a, SCHEMA_PML, "docs")

@@ -160,9 +160,9 @@ class LocalRedisCluster:
             for node in self.nodes:
                 node.start()
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
-            done = subprocess.run([self.cli, "--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas),
-                                   "--cluster-yes"], capture_output=True, text=True,
-                                  timeout=max(1.0, deadline - time.monotonic()))
+            done = subprocess.run([self.cli, "--cluster", "create", *addresses,
+                                   "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                                  capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
             if done.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
             self.wait_ok(max(1.0, deadline - time.monotonic()))

@@ -45,10 +45,10 @@ class RemoteTier:
     ``timeout_s`` / ``connect_timeout_s``: per socket operation; ``max_pending_bytes``: bytes of
     blocks waiting for the background writer before further writes are dropped; ``backoff_s``:
     the first and the longest pause after a fault (doubling in between); ``lease_s``: lifetime of an
-    encoding lease nobody releases. ``client``: a
-    ready ``redis.Redis`` or ``redis.cluster.RedisCluster`` (tests); otherwise one is made from
-    ``url`` on first use (``connect.py``: a cluster URL, or a node of a cluster detected; hiredis
-    parses replies where installed). Thread-safe: reads may come from any thread; writes go through one writer thread.
+    encoding lease nobody releases. ``client``: a ready ``redis.Redis`` or
+    ``redis.cluster.RedisCluster`` (tests); otherwise one is made from ``url`` on first use
+    (``connect.py``: a cluster URL, or a node of a cluster detected; hiredis parses replies where
+    installed). Thread-safe: reads may come from any thread; writes go through one writer thread.
     """
 
     def __init__(self, url: str, *, namespace: str = DEFAULT_NAMESPACE, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
