@@ -120,7 +120,7 @@ def test_the_cluster_metrics_are_exported(live):
         registry.register(One())
         return generate_latest(registry).decode()
 
-    tier = RemoteTier(live.url, timeout_s=0.5, connect_timeout_s=0.2)
+    tier = RemoteTier(live.url)
     client = live.client()
     k = next(k for k in (block_key(i, (1, 2, 1, 2, 2)) for i in range(100))
              if live.node_of(tier.meta_key(k.digest), client) == 2)  # a block of the master about to die
@@ -230,7 +230,7 @@ def test_a_failover_to_a_replica_brings_the_blocks_back(tmp_path):
     it) until its replica has taken its slots over; then the tier, refreshing its slot map on the
     next probe, reads every block again, bit-exact, from the new master."""
     with LocalRedisCluster(masters=3, replicas=1, node_timeout_ms=500) as cluster:
-        tier = RemoteTier(cluster.url, chunk_bytes=64, timeout_s=0.5, connect_timeout_s=0.2, backoff_s=(0.1, 0.4))
+        tier = RemoteTier(cluster.url, chunk_bytes=64, backoff_s=(0.1, 0.4))
         blocks = {block_key(i, (2, 2, 1, 3 + i % 4, 5)): torch.randn(2, 2, 1, 3 + i % 4, 5) for i in range(18)}
         for k, b in blocks.items():
             tier.write_behind(k, b, 1)
@@ -267,7 +267,7 @@ def test_a_cluster_that_requires_full_coverage_goes_down_whole_and_comes_back(tm
     node answer ``CLUSTERDOWN``: the whole tier backs off (all misses, nothing raised, no value
     discarded), and serves again, bit-exact, once the master is back."""
     with LocalRedisCluster(full_coverage=True, node_timeout_ms=500) as cluster:
-        tier = RemoteTier(cluster.url, chunk_bytes=64, timeout_s=0.5, connect_timeout_s=0.2, backoff_s=(0.1, 0.4))
+        tier = RemoteTier(cluster.url, chunk_bytes=64, backoff_s=(0.1, 0.4))
         blocks = {block_key(i, (2, 2, 1, 4, 3)): torch.randn(2, 2, 1, 4, 3) for i in range(12)}
         for k, b in blocks.items():
             tier.write_behind(k, b, 1)
@@ -333,7 +333,7 @@ def test_a_master_killed_mid_run_costs_misses_only(model, tokenizer, live, expec
     victim = max(per_node, key=lambda i: len(per_node[i]))
     victim_name = f"127.0.0.1:{live.nodes[victim].port}"
 
-    tier = RemoteTier(live.url, timeout_s=0.5, connect_timeout_s=0.2, backoff_s=(0.1, 0.4))
+    tier = RemoteTier(live.url, backoff_s=(0.1, 0.4))
     pc = PromptCache(model, tokenizer, remote=tier, device_budget=0, host_budget=0, placement="schema")
     pc.add_schema(SCHEMA)
     assert pc.stats()["encodes"] == 0
