@@ -504,3 +504,37 @@ def test_the_ledger_publishes_a_block_once_per_medium():
         host.drop_all()
         disk.drop_all()
     assert ledger.drain() == [("cleared",)] and ledger.held() == {}
+
+
+def test_hybrid_blocks_say_they_carry_recurrent_snapshots(tokenizer, tmp_path):
+    """A hybrid model's prefix blocks (LFM2: short convolutions and attention) are published in
+    memory and, spilled with their snapshots, in the store's tiers; a block ending a chunk carries
+    the recurrent state and says so in its extra keys (its hash is the plain chain's)."""
+    from pckernels.prefix import PrefixCache
+    from pckernels.prefix.testing import tiny_model
+    from pckernels.store import TieredStore
+
+    ledger = BlockLedger()
+    store = TieredStore(disk_dir=tmp_path, device_budget=0, host_budget=1 << 20)
+    store.attach_events(ledger)
+    cache = PrefixCache(tiny_model("lfm2", len(tokenizer)), tokenizer, block_size=8, chunk_size=16,
+                        budget_bytes=1 << 20, spill=store, events=ledger)
+    if not cache.reuse_supported:
+        pytest.skip(f"reuse refused with this transformers version: {cache.refusal}")
+    text = "Doc 0. You answer questions about tide tables for a small harbour; the tide turns at noon. Be brief."
+    cache.complete(text, max_new_tokens=2)
+    stored = [e for e in ledger.drain() if e[0] == "stored"]
+    assert stored and {e[1] for e in stored} == {"GPU"}
+    ids = tokenizer(text)["input_ids"]
+    parent = None
+    for n, (_, _, info) in enumerate(stored):
+        assert list(info.token_ids) == ids[n * 8:(n + 1) * 8] and info.parent == parent
+        assert info.hash == documented_hash(parent, list(info.token_ids), None)
+        assert info.extra == (("recurrent",) if (n + 1) * 8 % 16 == 0 else None)
+        parent = info.hash
+    cache.evict(1 << 30)  # spilled, packed with their snapshots: host tier and disk
+    held = ledger.held()
+    assert held == {"CPU": {i.hash for _, _, i in stored}, "DISK": {i.hash for _, _, i in stored}}
+    again = cache.complete(text, max_new_tokens=2)
+    assert again.cached_tokens > 0 and ledger.held()["GPU"] <= held["CPU"]
+    store.close()
