@@ -54,7 +54,7 @@ def fail(message: object, code: int = USAGE_ERROR) -> NoReturn:
     raise typer.Exit(code)
 
 
-FLAGS = {"prefix_block_size": "--prefix-block"}
+FLAGS = {"prefix_block_size": "--prefix-block", "kv_events": "--kv-events-config"}
 """Command-line flags named otherwise than ``--`` and the option's name with dashes."""
 
 

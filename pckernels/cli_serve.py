@@ -34,6 +34,19 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
+def start_kv_events(config):
+    """The KV-event publisher of ``--kv-events-config`` (``None`` when off), its sockets bound before
+    the model loads: an endpoint in use ends the command with one line and exit status 2."""
+    from pckernels.store.events import start_publisher
+
+    if config is None or not config.active:
+        return None
+    try:
+        return start_publisher(config)
+    except OSError as exc:
+        fail(exc)
+
+
 def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
           host: str = typer.Option("127.0.0.1", help="Address to bind; anything but loopback needs --api-keys."),
           port: int = typer.Option(8000, help="TCP port."),
@@ -78,6 +91,11 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
           responses_max: int = typer.Option(1000, help="Stored responses (/v1/responses, store: true) kept per "
                                                        "tenant; the oldest go first."),
           responses_ttl: float = typer.Option(3600.0, help="Seconds a stored response is kept."),
+          kv_events_config: Optional[str] = typer.Option(None, help='KV events in vLLM\'s format, as vLLM\'s JSON: '
+                                                                    '\'{"enable_kv_cache_events": true, "publisher": '
+                                                                    '"zmq", "endpoint": "tcp://*:5557", '
+                                                                    '"replay_endpoint": "tcp://*:5558"}\' '
+                                                                    '(docs/kv-events.md; absent: off).'),
           log_level: str = typer.Option("info", help="debug, info, warning, error.")) -> None:
     """Serve the OpenAI API (chat, completions, models) plus PML schemas, tenants and /metrics."""
     import uvicorn
@@ -109,13 +127,22 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
                              device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget,
                              remote=remote, remote_namespace=remote_namespace, kv_budget=kv_budget,
                              max_queue=max_queue, max_batch=max_batch, lookahead=lookahead,
-                             prefix_block_size=prefix_block, prefix_resume=prefix_resume, placement=placement)
+                             prefix_block_size=prefix_block, prefix_resume=prefix_resume, placement=placement,
+                             kv_events=kv_events_config)
+    publisher = start_kv_events(config.kv_events)
+    if publisher is not None:
+        config = config.replace(kv_events=publisher)
     if remote is not None and keys and not os.environ.get(SECRET_ENV):
         log.warning("--remote with --api-keys but no $%s: each server derives its own tenant salts, so "
                     "tenants' blocks are not shared across the fleet; give every server the same secret",
                     SECRET_ENV)
     tenants = Tenants(keys, server_secret(None if store is False else store))
-    engine = load_engine(model, config)
+    try:
+        engine = load_engine(model, config)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
     refusal = engine.prefix.refusal
     if refusal is not None and not allow_no_reuse:
         engine.close()

@@ -30,6 +30,7 @@ from pckernels.integration.native import MATMULS, bf16_matmul_supported
 from pckernels.pml.placement import PLACEMENTS
 from pckernels.prefix.cache import RESUME
 from pckernels.store import RemoteTier, parse_remote_url
+from pckernels.store.events import KVEventsConfig, kv_events_config
 from pckernels.store.remote import DEFAULT_NAMESPACE
 from pckernels.store.tiered import parse_size
 
@@ -84,6 +85,7 @@ class EngineConfig:
     prefix_resume: str = "block"
     placement: str = "compact"
     step_graphs: StepGraphs | str | None = None
+    kv_events: KVEventsConfig | Any = None
 
     def __post_init__(self) -> None:
         for name in ("device_budget", "host_budget", "disk_budget", "kv_budget"):
@@ -114,6 +116,8 @@ class EngineConfig:
             raise OptionError("step_graphs", graphs.mode, "auto, off or static on the CPU",
                               message="step_graphs='captured' needs a CUDA device; the engine runs on the CPU")
         self._set("step_graphs", graphs)
+        if self.kv_events is not None and not hasattr(self.kv_events, "ledger"):
+            self._set("kv_events", kv_events_config(self.kv_events))
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)

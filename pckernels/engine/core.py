@@ -47,6 +47,7 @@ from pckernels.pml.tokens import fingerprint
 from pckernels.prefix import PrefixCache, encode_prompt
 from pckernels.program import ProgramCall
 from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir
+from pckernels.store.events import KVEventsConfig, start_publisher
 
 __all__ = ["DEFAULT_PREFIX_BLOCK", "EngineConfig", "PromptCache"]
 
@@ -199,7 +200,18 @@ class PromptCache:
         self._requests = RequestBuilder(tokenizer, self.max_positions, self._modules, self.blocks,
                                         lambda schema: self.scheduler.call(lambda: self.deviation.for_schema(schema)),
                                         lambda n: self.prefix.check_length(n))
+        self.kv_events = self._start_kv_events(config.kv_events)
+        """The KV-event publisher (``docs/kv-events.md``), ``None`` when off."""
         close_at_exit(self)
+
+    def _start_kv_events(self, given):
+        """The publisher ``given`` (a running one, or a config: started here, its sockets bound —
+        ``KVEventsBindError``, an ``OSError``, when they cannot be), attached to the store."""
+        if given is None or (isinstance(given, KVEventsConfig) and not given.active):
+            return None
+        publisher = start_publisher(given) if isinstance(given, KVEventsConfig) else given
+        self.store.attach_events(publisher.ledger)
+        return publisher
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2", *, config: EngineConfig | None = None,
@@ -338,6 +350,8 @@ class PromptCache:
         under ``"prefix"`` the prefix cache's counters once ``complete`` has been used."""
         out = self.store.stats()
         out["engine"] = self.scheduler.stats()
+        if self.kv_events is not None:
+            out["kv_events"] = self.kv_events.stats()
         if self._prefix is not None:
             out["prefix"] = self._prefix.stats()
         return out
@@ -354,7 +368,8 @@ class PromptCache:
         with self._prefix_lock:
             if self._prefix is None:
                 options = dict(block_size=self.prefix_block_size, spill=self.store, spill_model_id=self.model_id,
-                               resume=self.prefix_resume)
+                               resume=self.prefix_resume,
+                               events=self.kv_events.ledger if self.kv_events is not None else None)
                 if self.recurrent is None:
                     make = lambda: EnginePrefixCache(self.context, run=self.scheduler.call, **options)  # noqa: E731
                 else:
@@ -486,3 +501,5 @@ class PromptCache:
         """Stop the scheduler (requests still waiting or running fail) and the store's loader."""
         self.scheduler.close()
         self.store.close()
+        if self.kv_events is not None:
+            self.kv_events.close()

@@ -111,6 +111,8 @@ class CachedEntry:
     refcount: int = 0
     token_ids: array | None = None
     anchor: bytes | None = None
+    info: object | None = None
+    """How KV events name a full block (``pckernels.store.events.BlockInfo``), made when first published."""
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -137,7 +139,9 @@ class BlockStore:
     An entry is evictable only when its ``refcount`` is zero: no child entry hangs from it and no
     request holds it. Eviction therefore always removes leaves, and a stored chain never has a
     gap. ``on_evict(entry)`` runs for each entry evicted for the budget, just before it leaves
-    (not for :meth:`clear`). Not thread-safe on its own; the owner serialises calls.
+    (not for :meth:`clear`); ``listener(entry, stored)``, when set, runs after an entry is stored
+    (``True``) and after one leaves (``False``: evicted or cleared). Not thread-safe on its own; the
+    owner serialises calls.
     """
 
     def __init__(self, budget_bytes: int, on_evict: Callable[[CachedEntry], None] | None = None) -> None:
@@ -145,6 +149,7 @@ class BlockStore:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.on_evict = on_evict
+        self.listener: Callable[[CachedEntry, bool], None] | None = None
         self._entries: OrderedDict[bytes, CachedEntry] = OrderedDict()
         self._children: dict[bytes, dict[bytes, CachedEntry]] = {}
         """anchor -> the stored entries that follow it (:meth:`children`)."""
@@ -196,6 +201,8 @@ class BlockStore:
         if entry.anchor is not None:
             self._children.setdefault(entry.anchor, {})[entry.key] = entry
         self.bytes += entry.nbytes
+        if self.listener is not None:
+            self.listener(entry, True)
         self.evict_to_budget()
         return entry
 
@@ -252,6 +259,12 @@ class BlockStore:
         self.evicted_tokens += entry.num_tokens
         if entry.parent is not None:
             entry.parent.refcount -= 1
+        if self.listener is not None:
+            self.listener(entry, False)
+
+    def entries(self) -> list[CachedEntry]:
+        """The stored entries, least recently used first."""
+        return list(self._entries.values())
 
     def _touch(self, entry: CachedEntry) -> None:
         self._entries.move_to_end(entry.key)

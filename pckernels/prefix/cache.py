@@ -35,6 +35,7 @@ from pckernels.prefix.reading import Reading
 from pckernels.prefix.spill import BlockSpill
 from pckernels.prefix.states import CacheStates
 from pckernels.store import TieredStore
+from pckernels.store.events import PREFIX_MEDIUM, BlockInfo, BlockLedger, prefix_block_info
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,9 @@ class PrefixCache(BasePrefixCache):
     from the first new token — equal to reuse off to rounding (the chunks after it are cut
     elsewhere), so what such a prefill computes is not stored.
 
+    ``events``: a KV-event :class:`~pckernels.store.events.BlockLedger` told which full blocks this
+    cache's memory gains and loses (medium ``GPU``; ``docs/kv-events.md``); ``None``: off.
+
     Construction runs a small self-check on random tokens: a chunked prefill must agree with a
     one-pass prefill (the model really continues from its cached state), and a prefill resumed
     from restored states, plus a decode step, must be bitwise equal to the uninterrupted one.
@@ -93,7 +97,8 @@ class PrefixCache(BasePrefixCache):
     def __init__(self, model, tokenizer=None, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  chunk_size: int | None = None, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  strict: bool = False, spill: TieredStore | None = None,
-                 spill_model_id: str | None = None, resume: str = "block") -> None:
+                 spill_model_id: str | None = None, resume: str = "block",
+                 events: BlockLedger | None = None) -> None:
         chunk_size = block_size if chunk_size is None else chunk_size
         if block_size < 1 or chunk_size < block_size or chunk_size % block_size:
             raise ValueError(f"need block_size >= 1 and chunk_size a multiple of it, got {block_size=}, {chunk_size=}")
@@ -109,6 +114,7 @@ class PrefixCache(BasePrefixCache):
         self.states = self._make_states()
         self.spill: BlockSpill | None = None
         self._store = BlockStore(budget_bytes, on_evict=self._spill_evicted)
+        self._events = None
         self._lock = threading.Lock()
         self._root = f"promptcache-prefix/{block_size}/{chunk_size}{self._root_tag()}".encode()
         self._counters = {"queries": 0, "hits": 0, "full_hits": 0, "hit_tokens": 0, "computed_tokens": 0,
@@ -123,6 +129,43 @@ class PrefixCache(BasePrefixCache):
             raise ValueError("resume='token' needs an attention-only model: recurrent states exist only at the "
                              "chunk boundaries they were saved at")
         self.spill = self._make_spill(spill, spill_model_id)
+        if events is not None:
+            self.attach_events(events)
+
+    def attach_events(self, ledger: BlockLedger) -> None:
+        """Tell ``ledger`` which full blocks this cache holds now and from now on (medium ``GPU``)."""
+        with self._lock:
+            self._events = ledger.place("prefix", PREFIX_MEDIUM)
+            self._store.listener = self._entry_changed
+            for entry in self._store.entries():
+                self._entry_changed(entry, True)
+
+    def _entry_changed(self, entry: CachedEntry, stored: bool) -> None:
+        """The store's listener: full blocks go to the KV-event ledger (prompt ends are not blocks)."""
+        if entry.final_logits is not None or entry.num_tokens != self.block_size:
+            return
+        if stored:
+            self._events.hold(entry.key, self._block_info(entry))
+        else:
+            self._events.drop(entry.key)
+
+    def _block_info(self, entry: CachedEntry) -> BlockInfo | None:
+        """How KV events name a full block (made once, chained on its parent's), ``None`` when its
+        tokens are not known."""
+        if entry.info is None and entry.token_ids is not None:
+            parent = None
+            if entry.parent is not None:
+                parent_info = self._block_info(entry.parent)
+                if parent_info is None:
+                    return None
+                parent = parent_info.hash
+            entry.info = self._new_info(parent, entry.token_ids, entry.anchor, entry.end)
+        return entry.info
+
+    def _new_info(self, parent: int | None, token_ids, anchor: bytes | None, end: int) -> BlockInfo:
+        salt = anchor.partition(b"/salt/")[2] if parent is None and anchor else b""
+        recurrent = self.states.has_recurrent_layers and end % self.chunk_size == 0
+        return prefix_block_info(parent, token_ids, salt, recurrent)
 
     def _make_states(self):
         """How working caches are made and states copied (subclasses keep them elsewhere)."""
@@ -220,7 +263,7 @@ class PrefixCache(BasePrefixCache):
                 found.chain = found.end.chain()
             else:
                 matched = self._store.longest_chain(keys)
-                restored = self._restore_spilled(keys, matched, n, root)
+                restored = self._restore_spilled(keys, matched, n, root, prompt_ids)
                 if self.resume == "token":
                     found.chain = (matched + restored)[:(n - 1) // self.block_size]
                     self._extend_partial(found, prompt_ids)
@@ -305,7 +348,11 @@ class PrefixCache(BasePrefixCache):
         """Drop all stored blocks that no running request holds (without spilling them; blocks
         spilled earlier stay in the spill store)."""
         with self._lock:
-            self._store.clear()
+            if self._events is None:
+                self._store.clear()
+            else:
+                with self._events.ledger.clearing():
+                    self._store.clear()
 
     def chain_keys(self, prompt_ids: list[int], salt: str = "") -> list[bytes]:
         """The names of the full blocks of ``prompt_ids`` under ``salt`` (see :func:`block_keys`)."""
@@ -327,7 +374,7 @@ class PrefixCache(BasePrefixCache):
             self._counters["computed_tokens"] += num_tokens - cached_tokens
 
     def _restore_spilled(self, keys: list[bytes], matched: list[CachedEntry], num_tokens: int,
-                         root: bytes) -> list[CachedEntry]:
+                         root: bytes, prompt_ids: list[int]) -> list[CachedEntry]:
         """Continue ``matched`` (the in-memory chain of ``keys``) with blocks from the spill store.
 
         Only blocks a prefill can resume after are read: those ending at or before the last chunk
@@ -341,7 +388,15 @@ class PrefixCache(BasePrefixCache):
             return restored
         parent = matched[-1] if matched else None
         for index in range(len(matched), usable_blocks):
-            entry = self.spill.get(keys[index], parent, index * self.block_size, self.block_size)
+            start = index * self.block_size
+            info = None
+            if self._events is not None:
+                tokens = prompt_ids[start:start + self.block_size]
+                parent_info = self._block_info(parent) if parent is not None else None
+                if parent is None or parent_info is not None:
+                    info = self._new_info(parent_info.hash if parent_info else None, tokens,
+                                          root if parent is None else None, start + self.block_size)
+            entry = self.spill.get(keys[index], parent, start, self.block_size, info)
             if entry is None:
                 break
             entry.anchor = parent.key if parent is not None else root

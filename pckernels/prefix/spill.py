@@ -68,8 +68,9 @@ class BlockSpill:
         self.restored_blocks = 0
         self.restored_tokens = 0
 
-    def key(self, chain_key: bytes, start: int, num_tokens: int) -> BlockKey:
-        """The store key of the block named ``chain_key`` covering tokens ``[start, start + num_tokens)``."""
+    def key(self, chain_key: bytes, start: int, num_tokens: int, info=None) -> BlockKey:
+        """The store key of the block named ``chain_key`` covering tokens ``[start, start + num_tokens)``;
+        ``info``: its KV-event name (``pckernels.store.events.BlockInfo``), when events are on."""
         digest = hashlib.sha256(self._prefix)
         digest.update(chain_key)
         if self.kinds is not None:
@@ -77,7 +78,7 @@ class BlockSpill:
         else:
             shape, dtype = (self.num_layers, 2, None, num_tokens, None), self.kv_dtype
         return BlockKey(digest.hexdigest(), model=self.model_name, schema=SPILL_SCHEMA, module=f"block@{start}",
-                        tokens=num_tokens, shape=shape, dtype=dtype)
+                        tokens=num_tokens, shape=shape, dtype=dtype, info=info)
 
     @property
     def shared(self) -> bool:
@@ -89,7 +90,7 @@ class BlockSpill:
         kept in the local tiers); returns whether queued."""
         if not self.shared or not self._fits(entry):
             return False
-        key = self.key(entry.key, entry.start, entry.num_tokens)
+        key = self.key(entry.key, entry.start, entry.num_tokens, entry.info)
         return self.store.publish(key, lambda: self._pack(entry, torch.device("cpu")), entry.nbytes)
 
     def put(self, entry: CachedEntry) -> bool:
@@ -98,7 +99,7 @@ class BlockSpill:
         Blocks whose layers differ in shape (per-layer head counts, keys and values of different
         head sizes) do not fit one ``[L, 2, H, n, D]`` tensor and are not written.
         """
-        key = self.key(entry.key, entry.start, entry.num_tokens)
+        key = self.key(entry.key, entry.start, entry.num_tokens, entry.info)
         if key in self.store:
             return False
         if not self._fits(entry):
@@ -109,10 +110,12 @@ class BlockSpill:
         log.debug("spilled prefix block %s (%d tokens) to the store", key.module, entry.num_tokens)
         return True
 
-    def get(self, chain_key: bytes, parent: CachedEntry | None, start: int, num_tokens: int) -> CachedEntry | None:
+    def get(self, chain_key: bytes, parent: CachedEntry | None, start: int, num_tokens: int,
+            info=None) -> CachedEntry | None:
         """The entry for ``chain_key`` rebuilt from the store (keys/values are views of the returned
-        block, moved to ``device`` when the store lives elsewhere), or ``None`` when no tier has it."""
-        key = self.key(chain_key, start, num_tokens)
+        block, moved to ``device`` when the store lives elsewhere), or ``None`` when no tier has it;
+        ``info``: its KV-event name, when events are on."""
+        key = self.key(chain_key, start, num_tokens, info)
         block = self.store.get(key)
         if block is None:
             return None
@@ -124,7 +127,8 @@ class BlockSpill:
                 return None
             self.restored_blocks += 1
             self.restored_tokens += num_tokens
-            return CachedEntry(key=chain_key, parent=parent, start=start, num_tokens=num_tokens, kv=kv, states=states)
+            return CachedEntry(key=chain_key, parent=parent, start=start, num_tokens=num_tokens, kv=kv, states=states,
+                               info=info)
         if block.dim() != 5 or block.shape[:2] != (self.num_layers, 2) or block.shape[3] != num_tokens:
             log.warning("ignoring spilled prefix block %s of shape %s (expected [%d, 2, H, %d, D])",
                         key.digest[:16], tuple(block.shape), self.num_layers, num_tokens)
@@ -133,7 +137,7 @@ class BlockSpill:
         kv = BlockKV.of(block)
         self.restored_blocks += 1
         self.restored_tokens += num_tokens
-        return CachedEntry(key=chain_key, parent=parent, start=start, num_tokens=num_tokens, kv=kv)
+        return CachedEntry(key=chain_key, parent=parent, start=start, num_tokens=num_tokens, kv=kv, info=info)
 
 
     def _fits(self, entry: CachedEntry) -> bool:

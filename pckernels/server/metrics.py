@@ -89,6 +89,9 @@ class _EngineCollector:
         remote = stats.get("remote")
         if isinstance(remote, dict):
             yield from _remote_metrics(remote)
+        events = stats.get("kv_events")
+        if isinstance(events, dict):
+            yield from _kv_event_metrics(events)
         prefix = stats.get("prefix")
         if isinstance(prefix, dict):
             family = CounterMetricFamily("promptcache_prefix_queries", "Plain prompts looked up in the prefix cache",
@@ -136,6 +139,24 @@ def _remote_metrics(remote: dict):
     yield nodes
     yield _gauge("promptcache_remote_cluster_nodes_down", "Cluster masters in back-off after a fault",
                  len(cluster.get("nodes_down", [])))
+
+
+def _kv_event_metrics(events: dict):
+    """The KV-event publisher's counters (``--kv-events-config``; docs/kv-events.md)."""
+    for name, doc, field in (("promptcache_kv_events_published", "KV events sent (BlockStored, BlockRemoved, "
+                                                                 "AllBlocksCleared)", "published"),
+                             ("promptcache_kv_event_batches", "KV event batches sent (one sequence number each)",
+                              "batches"),
+                             ("promptcache_kv_events_dropped", "KV events dropped because the publisher's queue "
+                                                               "was full (a full resync followed)", "dropped"),
+                             ("promptcache_kv_event_replays", "KV event replay requests answered", "replays")):
+        family = CounterMetricFamily(name, doc)
+        family.add_metric([], events.get(field, 0))
+        yield family
+    yield _gauge("promptcache_kv_event_subscribers", "Live subscriptions to the KV event socket",
+                 events.get("subscribers", 0))
+    yield _gauge("promptcache_kv_event_blocks", "Blocks the KV events say this server holds (all mediums)",
+                 events.get("held", 0))
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:

@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from pckernels.store.blocks import DTYPES, BlockFileError, TierStats, check_expected, tensor_bytes
+from pckernels.store.events.ledger import NO_PLACE
 from pckernels.store.keys import FORMAT_VERSION, BlockKey
 from pckernels.store.policy import CostModel, make_policy
 
@@ -148,6 +149,9 @@ class DiskTier:
     ``off``: why the tier is off (``None`` while on). It goes off, with a warning, when its
     directory cannot be created (a file is in the way, no permission) or a write fails (disk full);
     from then on it holds nothing: reads miss and writes are refused.
+
+    ``events``: the KV-event :class:`~pckernels.store.events.Place` told what files it gains and
+    loses (a file found at start is named to it once its key is used).
     """
 
     def __init__(self, root: str | os.PathLike, budget: int, *, policy: str = "gds",
@@ -163,6 +167,7 @@ class DiskTier:
         self._sizes: dict[str, int] = {}
         self.nbytes = 0
         self.off: str | None = None
+        self.events = NO_PLACE
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -175,6 +180,7 @@ class DiskTier:
         log.warning("disk tier off: %s; encoded blocks are kept in memory only", reason)
         self.off = reason
         self._sizes.clear()
+        self.events.drop_all()
         self.nbytes = 0
         self.policy = make_policy(*self._policy_args)
 
@@ -197,19 +203,24 @@ class DiskTier:
         for _, digest, size in sorted(found):
             self._track(digest, size)
 
-    def _track(self, digest: str, size: int) -> None:
+    def _track(self, digest: str, size: int, key: BlockKey | None = None) -> None:
         self._sizes[digest] = size
         self.nbytes += size
         self.policy.admit(digest, size)
+        self.events.hold(digest, key.info if key is not None else None)
 
-    def _forget(self, digest: str) -> None:
+    def _forget(self, digest: str, *, notify: bool = True) -> None:
         size = self._sizes.pop(digest, None)
         if size is not None:
             self.nbytes -= size
             self.policy.remove(digest)
+            if notify:
+                self.events.drop(digest)
 
     def __contains__(self, key: BlockKey) -> bool:
         if key.digest in self._sizes:
+            if key.info is not None:
+                self.events.hold(key.digest, key.info)
             return True
         if self.off is not None:
             return False
@@ -217,7 +228,7 @@ class DiskTier:
             size = self.path(key.digest).stat().st_size
         except OSError:
             return False
-        self._track(key.digest, size)
+        self._track(key.digest, size, key)
         self._evict_to(self.budget, keep=key.digest)
         return key.digest in self._sizes
 
@@ -248,9 +259,11 @@ class DiskTier:
                 return outcome
             if key.digest not in self._sizes:
                 try:
-                    self._track(key.digest, os.path.getsize(self.path(key.digest)))
+                    self._track(key.digest, os.path.getsize(self.path(key.digest)), key)
                 except OSError:
                     return outcome
+            elif key.info is not None:
+                self.events.hold(key.digest, key.info)
             self.policy.touch(key.digest)
             try:
                 os.utime(self.path(key.digest))
@@ -287,16 +300,19 @@ class DiskTier:
         if block.numel() * block.element_size() > self.budget:
             self.stats.skipped += 1
             return False
-        self._forget(key.digest)
+        known = key.digest in self._sizes
+        self._forget(key.digest, notify=False)
         t0 = time.perf_counter()
         try:
             size = write_block(self.path(key.digest), key, block.detach().to("cpu"))
         except (OSError, SafetensorError) as exc:
+            if known:
+                self.events.drop(key.digest)
             self.turn_off(f"cannot write block {key.label} to {self.dir}: {exc}")
             return False
         self.stats.writes += 1
         self.stats.write_s += time.perf_counter() - t0
-        self._track(key.digest, size)
+        self._track(key.digest, size, key)
         self._evict_to(self.budget, keep=key.digest)
         return key.digest in self._sizes
 
@@ -327,6 +343,7 @@ class DiskTier:
                 path.unlink(missing_ok=True)
                 removed += not path.name.startswith(TEMP_PREFIX)
         self._sizes.clear()
+        self.events.drop_all()
         self.nbytes = 0
         self.policy = make_policy(*self._policy_args)
         return removed

@@ -29,6 +29,7 @@ import torch
 
 from pckernels.pml.model import ROOT, Schema
 from pckernels.pml.placement import encoded_positions, root_before, unit_span
+from pckernels.store.events.ledger import BlockInfo, digest_hash, salt_tag
 
 FORMAT_VERSION = 1
 """Bump when the block layout ``[L, 2, H, n, D]`` or the encoding procedure changes."""
@@ -43,7 +44,8 @@ class BlockKey:
     fields describe it (listings, logs, checks on load) and never take part in equality.
 
     ``shape`` / ``dtype``: what the block must be, checked when it is read from disk (``None``:
-    unchecked; a ``None`` inside ``shape``: any size along that dimension).
+    unchecked; a ``None`` inside ``shape``: any size along that dimension). ``info``: how KV events
+    name the block (:class:`~pckernels.store.events.BlockInfo`; ``None``: unnamed, not published).
     """
 
     digest: str
@@ -55,6 +57,7 @@ class BlockKey:
     shape: tuple[int | None, ...] | None = field(default=None, compare=False)
     dtype: torch.dtype | None = field(default=None, compare=False)
     geometry: str = field(default="schema", compare=False)
+    info: BlockInfo | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -149,8 +152,13 @@ class BlockKeys:
         if self.layout is not None:
             layers, heads, head_dim = self.layout
             shape = (layers, 2, heads, n, head_dim)
-        return BlockKey(h.hexdigest(), model=self.model_name, schema=schema.name, module=module,
-                        scaffold=scaffold, tokens=n, shape=shape, dtype=self.dtype, geometry=geometry)
+        digest = h.hexdigest()
+        parent_digest = scope.get("parent") or None
+        info = BlockInfo(digest_hash(digest), digest_hash(parent_digest) if parent_digest else None,
+                         tuple(mod.token_ids), n,
+                         ("pml", schema.name, module, scaffold, geometry, salt_tag(schema.salt), digest))
+        return BlockKey(digest, model=self.model_name, schema=schema.name, module=module,
+                        scaffold=scaffold, tokens=n, shape=shape, dtype=self.dtype, geometry=geometry, info=info)
 
     def _packed_scope(self, schema: Schema, module: str, scaffold: str) -> dict[str, object]:
         """What a packed block depends on: the anonymous text before its unit (tokens and

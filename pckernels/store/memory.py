@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from pckernels.store.events.ledger import NO_PLACE
 from pckernels.store.keys import BlockKey
 from pckernels.store.policy import EvictionPolicy
 
@@ -22,10 +23,12 @@ def nbytes_of(tensor: torch.Tensor) -> int:
 
 
 class MemoryTier:
-    """Blocks held in memory within ``budget`` bytes, ordered for eviction by ``policy``."""
+    """Blocks held in memory within ``budget`` bytes, ordered for eviction by ``policy``; what it
+    gains and loses is told to ``events`` (a KV-event :class:`~pckernels.store.events.Place`)."""
 
     def __init__(self, name: str, budget: int, policy: EvictionPolicy) -> None:
         self.name = name
+        self.events = NO_PLACE
         self.budget = int(budget)
         self.policy = policy
         self.blocks: dict[BlockKey, torch.Tensor] = {}
@@ -43,11 +46,13 @@ class MemoryTier:
         self.blocks[key] = block
         self.nbytes += nbytes_of(block)
         self.policy.admit(key, nbytes_of(block), hits)
+        self.events.hold(key.digest, key.info)
 
     def pop(self, key: BlockKey) -> torch.Tensor:
         block = self.blocks.pop(key)
         self.nbytes -= nbytes_of(block)
         self.policy.remove(key)
+        self.events.drop(key.digest)
         return block
 
     def clear(self) -> None:

@@ -24,6 +24,7 @@ Budgets hold after every public call returns. Thread-safe: public methods take t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -37,6 +38,7 @@ from typing import Iterable
 import torch
 
 from pckernels.store.disk import DiskTier
+from pckernels.store.events.ledger import MEDIUMS, NO_PLACE, BlockLedger
 from pckernels.store.keys import BlockKey
 from pckernels.store.memory import MemoryTier, MemoryTiers, nbytes_of
 from pckernels.store.policy import CostModel, make_policy
@@ -153,6 +155,8 @@ class TieredStore:
         self._loader: ThreadPoolExecutor | None = None
         self._loading: dict[BlockKey, Future] = {}
         self._lock = threading.RLock()
+        self.events: BlockLedger | None = None
+        """Where KV events of its tiers go (:meth:`attach_events`); ``None``: off."""
 
     # -- the engine's interface -------------------------------------------------------------
 
@@ -358,9 +362,32 @@ class TieredStore:
     def clear(self, *, disk: bool = False) -> None:
         """Forget every block held in memory (and delete the disk tier's files when ``disk``)."""
         self._collect_loads(wait=True)
-        self.memory.clear()
-        if disk and self.disk is not None:
-            self.disk.clear()
+        with self._clearing():
+            self.memory.clear()
+            if disk and self.disk is not None:
+                self.disk.clear()
+
+    def _clearing(self):
+        return contextlib.nullcontext() if self.events is None else self.events.clearing()
+
+    @_locked
+    def attach_events(self, ledger: BlockLedger | None) -> None:
+        """Tell ``ledger`` (a KV-event :class:`~pckernels.store.events.BlockLedger`) what each tier
+        holds now and gains or loses from now on, as medium ``GPU`` (device), ``CPU`` (host) and
+        ``DISK``; ``None`` stops. The remote tier is the fleet's, not this process's: it publishes
+        nothing."""
+        tiers = [(self.device_tier, "device"), (self.host_tier, "host")]
+        for tier, name in tiers:
+            tier.events.drop_all()
+            tier.events = NO_PLACE if ledger is None else ledger.place(name, MEDIUMS[name])
+            for key in tier.blocks:
+                tier.events.hold(key.digest, key.info)
+        self.events = ledger
+        if self.disk is not None:
+            self.disk.events.drop_all()
+            self.disk.events = NO_PLACE if ledger is None else ledger.place("disk", MEDIUMS["disk"])
+            for digest in list(self.disk._sizes):
+                self.disk.events.hold(digest, None)
 
     @_locked
     def close(self) -> None:
