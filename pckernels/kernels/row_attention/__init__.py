@@ -71,7 +71,7 @@ def row_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen:
     values = torch.where(allowed.any(dim=0)[:, None], v.float(), 0.0)
     out = torch.bmm(weights.view(hkv, groups * n, kv), values).view(hkv, groups, n, d)
     out = torch.where(total > 0, out / total.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    return out.view(hq, n, d).transpose(0, 1).to(q.dtype)
+    return out.view(hq, n, d).transpose(0, 1).to(q.dtype).contiguous()
 
 
 def triton_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
