@@ -253,3 +253,18 @@ def test_ptx_split_kv_kernel_vectorises_without_spills():
     for name, used in usage.items():
         if "bytes spilled" in used:
             assert used.endswith(" 0 bytes spilled"), (name, used)
+
+
+def test_bench_attention_plumbing():
+    """``python -m perf.bench_attention --tiny``: every variant timed and compared with dense."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "perf.bench_attention", "--tiny"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    variants = {r["variant"] for r in report["results"]}
+    assert variants == {"dense", "dense_gqa", "flex", "flex_mask", "split_kv", "native", "split_torch"}
+    for r in report["results"]:
+        assert r["ms"] > 0
+        if r["variant"] != "flex_mask":
+            assert r["max_abs_vs_dense"] < 1e-5, r
