@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", help="only these (and dense, the yardstick)")
     ap.add_argument("--tokens", type=int, nargs="+", help="override the grid's new tokens")
     ap.add_argument("--rows", type=int, nargs="+", help="override the grid's rows")
+    ap.add_argument("--heads", type=int, nargs=2, metavar=("Q", "KV"), help="query and KV heads (one KV count)")
+    ap.add_argument("--head-dim", type=int)
+    ap.add_argument("--threads", type=int, help="torch threads (CPU)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
@@ -185,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     grid = dict(GPU_GRID if args.gpu else TINY_GRID if args.tiny else CPU_GRID)
     grid.update({k: v for k, v in (("tokens", args.tokens), ("rows", args.rows)) if v})
     q_heads, d = (4, 16) if args.tiny else (Q_HEADS, HEAD_DIM)
+    if args.heads:
+        q_heads, grid["kv_heads"] = args.heads[0], [args.heads[1]]
+    d = args.head_dim or d
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = args.repeats or (1 if args.tiny else 7 if not args.gpu else 20)
     results = []
     for kv_heads in grid["kv_heads"]:

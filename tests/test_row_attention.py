@@ -30,6 +30,8 @@ from pckernels.kernels.row_attention.naive import row_allowed, row_attention_ref
 from test_engine import PROMPTS, SCHEMA, tiny_llama, tokenizer  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""Where the Triton kernel runs: compiled on CUDA, interpreted on the CPU."""
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 triton_here = pytest.mark.skipif(not (HAS_TRITON and (INTERPRET or torch.cuda.is_available())),
                                  reason="needs Triton on CUDA or TRITON_INTERPRET=1")
@@ -66,6 +68,11 @@ def case(hq, hkv, n, kv, d, groups, window, dtype, *, poison=True, seed=0):
     return (q, k, v, seen, group, query_pos, key_pos, start, stop), allowed
 
 
+def on(args):
+    """``args`` on :data:`DEVICE` (views keep their strides)."""
+    return tuple(t.to(DEVICE) for t in args)
+
+
 def dense_sdpa(q, k, v, allowed, scale):
     """Today's path: the dense additive bias and SDPA over grouped heads -> ``[n, Hq, D]``."""
     bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, float("-inf"))
@@ -96,7 +103,7 @@ def test_split_kv_kernel_matches_reference(shape, dtype, splits):
     equals the reference; the launch counter says the kernel ran."""
     args, _ = case(*shape, dtype)
     ops.reset_launch_counts()
-    got = ops.row_attention(*args, scale=0.3, window=shape[-1], splits=splits, backend="triton")
+    got = ops.row_attention(*on(args), scale=0.3, window=shape[-1], splits=splits, backend="triton").cpu()
     assert ops.launch_counts().get("row_attention") == 1
     want = row_attention_ref(*args, 0.3, shape[-1])
     assert got.shape == want.shape and got.dtype == dtype and not got.isnan().any()
@@ -111,7 +118,7 @@ def test_split_kv_kernel_matches_dense_sdpa(dtype):
     for seed, shape in enumerate(SHAPES[:4]):
         args, allowed = case(*shape, dtype, poison=False, seed=seed)
         keep = allowed.any(1)
-        got = ops.row_attention(*args, scale=0.25, backend="triton")
+        got = ops.row_attention(*on(args), scale=0.25, backend="triton").cpu()
         want = dense_sdpa(args[0], args[1], args[2], allowed, 0.25)
         torch.testing.assert_close(got[keep].float(), want[keep].float(), atol=TOL[dtype] * 2, rtol=TOL[dtype] * 2)
 
@@ -126,7 +133,7 @@ def test_split_kv_kernel_takes_strided_views():
     q = torch.randn(n, hq, d).transpose(0, 1)
     args, _ = case(hq, hkv, n, kv, d, 2, None, torch.float32, poison=False)
     args = (q, arena[1, 0, :, :kv], arena[1, 1, :, :kv]) + args[3:]
-    got = ops.row_attention(*args, scale=0.3, backend="triton")
+    got = ops.row_attention(*on(args), scale=0.3, backend="triton").cpu()
     torch.testing.assert_close(got, row_attention_ref(*args, 0.3), atol=2e-5, rtol=2e-5)
 
 
@@ -268,3 +275,24 @@ def test_bench_attention_plumbing():
         assert r["ms"] > 0
         if r["variant"] != "flex_mask":
             assert r["max_abs_vs_dense"] < 1e-5, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (captured steps)")
+@pytest.mark.parametrize("backend", ["flex", "split_kv"])
+def test_backends_in_captured_steps_on_cuda(tokenizer, monkeypatch, backend):  # noqa: F811
+    """On a GPU: the HF forward in captured steps (the CUDA default) with each backend answers as
+    dense, and the capture did not fall back (or says why)."""
+    monkeypatch.setenv("PROMPTCACHE_NATIVE", "0")
+    out = {}
+    for name in ("dense", backend):
+        pc = PromptCache(tiny_llama(len(tokenizer)).cuda(), tokenizer, placement="schema", attention=name,
+                         step_graphs="captured")
+        pc.add_schema(SCHEMA)
+        handles = [pc.submit(PROMPTS[p], max_new_tokens=5) for p in ("none", "nested", "params-short")]
+        out[name] = ([h.result() for h in handles], pc.scheduler.runner.static)
+        pc.close()
+    (want, _), (got, static) = out["dense"], out[backend]
+    assert static is not None and static.failed is None, static.failed
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        assert (a.first_logits.float().cpu() - b.first_logits.float().cpu()).abs().max().item() <= 1e-3

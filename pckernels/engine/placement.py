@@ -156,7 +156,7 @@ class Placer:
         if turned[1]:
             ops.gather_rotate(self.arena.data, turned[0], torch.tensor(turned[1], dtype=torch.int64), rotation.inv_freq)
         index = torch.cat([entry.block.index for entry in pending])
-        self.arena.row_pos[index] = torch.cat([entry.positions.to(index.device) for entry in pending])
+        self.arena.row_pos[index] = torch.cat([entry.positions for entry in pending])
         self.counters["blocks_placed"] += len(pending)
         self.counters["blocks_moved"] += sum(entry.moved for entry in pending)
 
