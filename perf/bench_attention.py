@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device (run without --gpu for the CPU variants)", file=sys.stderr)
         return 2
     device = torch.device("cuda" if args.gpu else "cpu")
+    if args.gpu:  # one compiled FlexAttention per shape until dynamo turns dynamic: allow them all
+        import torch._dynamo as dynamo
+
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
     dtype = torch.bfloat16 if args.gpu else torch.float32
     grid = dict(GPU_GRID if args.gpu else TINY_GRID if args.tiny else CPU_GRID)
     grid.update({k: v for k, v in (("tokens", args.tokens), ("rows", args.rows)) if v})
