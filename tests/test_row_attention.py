@@ -176,9 +176,10 @@ def test_backends_through_attend_rows(backend):
     assert (out[0][~keep] == 0).all()
     if backend == "flex":
         assert len(memo) == 1  # one block mask per forward, shared by the layers
-    too_many = case(2, 2, 17, 20, 8, 1, None, torch.float32, poison=False)[0]
-    assert (attend_rows(backend, too_many[0][None], too_many[1][None], too_many[2][None], rows_of(too_many), None,
-                        {}) is None) == (backend == "split_kv")
+    for shape in ((2, 2, 17, 20, 8, 1, None), (16, 2, 9, 20, 8, 1, None)):  # 17 tokens; 72 rows per KV head
+        too_many = case(*shape, torch.float32, poison=False)[0]
+        assert (attend_rows(backend, too_many[0][None], too_many[1][None], too_many[2][None], rows_of(too_many),
+                            None, {}) is None) == (backend == "split_kv")
 
 
 def test_option_is_checked():

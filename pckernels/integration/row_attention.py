@@ -10,8 +10,9 @@ new tokens over many rows two backends read it from the rows instead (:class:`Ro
   layers) so blocks no query sees are skipped. Compiled (``torch.compile``) on CUDA; eager on the
   CPU, where torch runs its unfused reference (correct, slow: for tests). Rows inside a visible
   block must be finite (the arena zeroes new rows).
-* ``"split_kv"`` — :func:`pckernels.ops.row_attention`: the split-KV Triton kernel for up to 64
-  query rows per KV head (16 new tokens at 4 query heads per KV head), torch elsewhere.
+* ``"split_kv"`` — :func:`pckernels.ops.row_attention`: the split-KV Triton kernel for up to 16
+  new tokens and 64 query rows per KV head (16 tokens at 4 query heads per KV head); a call beyond
+  that runs dense.
 
 :data:`ATTENTION_BACKENDS` names them; ``"auto"`` is ``"dense"`` everywhere until a GPU run
 decides (:func:`resolve_attention`). A backend is used only where it applies (no sliding windows,
@@ -73,9 +74,11 @@ def attend_rows(backend: str, query: torch.Tensor, key: torch.Tensor, value: tor
         return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if backend == "split_kv":
-        if query.shape[2] > SPLIT_KV_MAX_TOKENS:
-            return None
         from pckernels import ops
+        from pckernels.kernels.row_attention import triton_fits
+
+        if query.shape[2] > SPLIT_KV_MAX_TOKENS or not triton_fits(query[0], key[0]):
+            return None  # the kernel's tile would not hold them: dense, not the op's torch path
 
         out = ops.row_attention(query[0], key[0], value[0], rows.seen, rows.group, rows.query_pos, rows.key_pos,
                                 rows.start, rows.stop, scale=scale)
