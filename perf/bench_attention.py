@@ -18,7 +18,9 @@ torch path); on the CPU also ``native`` (the native forward's per-KV-head matmul
 ``split_torch`` (split-KV in plain torch: rows in 1,024-row pieces, partial softmaxes combined).
 Times are medians (and bests) of ``--repeats`` rounds, variants interleaved within a round (a
 round's time: CUDA events over 10 calls on the GPU, the best of 3 calls on the CPU); bandwidth is the K and V bytes one call must read over its time. Each variant's output is
-compared with ``dense`` (max-abs). One JSON object on the last line; ``--out`` writes it too.
+compared with ``dense`` (max-abs). ``--seen 0.4``: the request sees 40% of the rows (256-row
+blocks), as in a batched step whose requests import different modules: the dense path still reads
+every row, the split-KV kernel only those some query sees. One JSON object on the last line; ``--out`` writes it too.
 """
 
 from __future__ import annotations
@@ -43,17 +45,25 @@ Q_HEADS, HEAD_DIM = 32, 128
 SPLIT_ROWS = 1024
 
 
-def inputs(n: int, rows: int, q_heads: int, kv_heads: int, d: int, dtype, device) -> dict:
-    """HF-shaped q ``[1, Hq, n, D]``, k/v ``[1, Hkv, rows, D]``, the dense bias and the mask by rows."""
+def inputs(n: int, rows: int, q_heads: int, kv_heads: int, d: int, dtype, device, seen: float = 1.0) -> dict:
+    """HF-shaped q ``[1, Hq, n, D]``, k/v ``[1, Hkv, rows, D]``, the dense bias and the mask by rows;
+    ``seen < 1``: the request sees that share of the rows, in 256-row blocks (the rest are other
+    requests' modules in a batched step), its last block always."""
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(1, q_heads, n, d, generator=g).to(device, dtype)
     k = torch.randn(1, kv_heads, rows, d, generator=g).to(device, dtype)
     v = torch.randn(1, kv_heads, rows, d, generator=g).to(device, dtype)
     key_pos = torch.arange(rows, device=device)
     query_pos = torch.arange(rows - n, rows, device=device)
-    allowed = key_pos[None, :] <= query_pos[:, None]
+    visible = torch.ones(rows, dtype=torch.bool)
+    if seen < 1.0:
+        blocks = torch.rand(-(-rows // 256), generator=g) < seen
+        blocks[-1] = True
+        visible = blocks.repeat_interleave(256)[:rows]
+    visible = visible.to(device)
+    allowed = (key_pos[None, :] <= query_pos[:, None]) & visible[None, :]
     bias = torch.zeros(n, rows, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))[None, None]
-    mask = RowMask(torch.ones(1, rows, dtype=torch.bool, device=device), torch.zeros(n, dtype=torch.int32, device=device),
+    mask = RowMask(visible[None].clone(), torch.zeros(n, dtype=torch.int32, device=device),
                    query_pos, key_pos, torch.zeros(n, dtype=torch.int32, device=device),
                    torch.full((n,), rows, dtype=torch.int32, device=device))
     return dict(q=q, k=k, v=v, bias=bias, rows=mask, scale=d ** -0.5)
@@ -133,9 +143,9 @@ def timed(fn, gpu: bool, inner: int = 3) -> float:
 
 
 def measure(n: int, rows: int, kv_heads: int, *, q_heads: int, d: int, dtype, device, repeats: int,
-            only: list[str] | None = None) -> list[dict]:
+            only: list[str] | None = None, seen: float = 1.0) -> list[dict]:
     gpu = device.type == "cuda"
-    x = inputs(n, rows, q_heads, kv_heads, d, dtype, device)
+    x = inputs(n, rows, q_heads, kv_heads, d, dtype, device, seen)
     runs = variants(x, gpu)
     runs = {name: fn for name, fn in runs.items() if name == "dense" or not only or name in only}
     want = runs["dense"]().float()
@@ -150,7 +160,7 @@ def measure(n: int, rows: int, kv_heads: int, *, q_heads: int, d: int, dtype, de
         for name, fn in runs.items():
             times[name].append(timed(fn, gpu))
     kv_bytes = 2 * kv_heads * rows * d * x["k"].element_size()
-    return [dict(tokens=n, rows=rows, kv_heads=kv_heads, variant=name, ms=1e3 * statistics.median(t),
+    return [dict(tokens=n, rows=rows, kv_heads=kv_heads, seen=seen, variant=name, ms=1e3 * statistics.median(t),
                  best_ms=1e3 * min(t),
                  gbps=None if name == "flex_mask" else kv_bytes / statistics.median(t) / 1e9,
                  max_abs_vs_dense=diffs.get(name)) for name, t in times.items()]
@@ -178,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, nargs=2, metavar=("Q", "KV"), help="query and KV heads (one KV count)")
     ap.add_argument("--head-dim", type=int)
     ap.add_argument("--threads", type=int, help="torch threads (CPU)")
+    ap.add_argument("--seen", type=float, default=1.0,
+                    help="share of the rows the request sees (256-row blocks; default all); bandwidth stays "
+                         "that of all rows, what the dense path reads")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
@@ -203,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         for rows in grid["rows"]:
             for n in grid["tokens"]:
                 results += measure(n, rows, kv_heads, q_heads=q_heads, d=d, dtype=dtype, device=device,
-                                   repeats=repeats, only=args.variants)
+                                   repeats=repeats, only=args.variants, seen=args.seen)
                 done = [r for r in results if (r["tokens"], r["rows"], r["kv_heads"]) == (n, rows, kv_heads)]
                 print(f"{n} tokens over {rows} rows, {kv_heads} KV heads: "
                       + ", ".join(f"{r['variant']} {r['ms']:.3f} ms" for r in done), flush=True)

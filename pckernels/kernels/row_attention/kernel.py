@@ -13,7 +13,9 @@ Splits spread a decode step's few programs over the GPU: with 8 KV heads and one
 H100's 132 SMs would sit mostly idle. :func:`split_plan` cuts each head's rows into enough
 stretches for about two programs per SM. Rows come as 16-byte vectors (innermost stride 1 is
 required; the launcher copies a tensor that lacks it). fp32 inputs multiply in IEEE fp32 (no TF32).
-Values of rows no query sees are not loaded (a NaN there contributes nothing). Under the interpreter
+Keys and values of rows no query of the tile sees are not read (a NaN there contributes nothing,
+and a step's rows of other requests cost no bandwidth: the dense path reads every row up to the
+extent). Under the interpreter
 (tests on CPU) ``tl.dot`` of bf16 tiles returns garbage and bf16 stores are wrong, so there the
 tiles are multiplied in fp32 (after the same rounding of the weights to the values' dtype) and the
 output is rounded by hand (``UPCAST``, ``ROUND_BF16``); compiled, neither is used.
@@ -68,24 +70,24 @@ def _row_attention_split(
     for first_n in range(first, last, BLOCK_N):
         cols = first_n + tl.arange(0, BLOCK_N)
         c_ok = cols < last
-        kt = tl.load(k_base + cols[:, None].to(tl.int64) * s_kn + d[None, :], mask=c_ok[:, None] & d_ok[None, :],
-                     other=0.0)
-        if UPCAST:
-            s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision=PRECISION) * scale
-        else:
-            s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * scale
         kpos = tl.load(kpos_ptr + cols, mask=c_ok, other=0).to(tl.int32)
         sn = tl.load(seen_ptr + grp[:, None] * s_seen + cols[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0)
         ok = (sn != 0) & (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & (kpos[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             ok = ok & ((qpos[:, None] - kpos[None, :]) < window)
+        used = tl.max(ok.to(tl.int32), axis=0) > 0  # rows some query of the tile sees: only those are read
+        kt = tl.load(k_base + cols[:, None].to(tl.int64) * s_kn + d[None, :],
+                     mask=(c_ok & used)[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision=PRECISION) * scale
+        else:
+            s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * scale
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        used = tl.max(ok.to(tl.int32), axis=0) > 0
         vt = tl.load(v_base + cols[:, None].to(tl.int64) * s_vn + d[None, :],
                      mask=(c_ok & used)[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
@@ -139,7 +141,7 @@ def config(groups: int, n: int, d: int, kv: int) -> tuple[int, int, int, int, in
     least), the key tile, the head dim padded to a power of two, and warps and pipeline stages.
     Chosen from offline sm_90 compiles (``python -m perf.kernels.ptx``) so that no register spills:
     at ``D = 128`` a 64-row query tile with 64-row key tiles on 4 warps spilled ~1 KB, with 32-row
-    key tiles on 8 warps it needs 203 registers and spills nothing."""
+    key tiles on 8 warps it needs 210 registers and spills nothing."""
     block_m = max(16, next_pow2(groups * n))
     block_d = max(16, next_pow2(d))
     wide = block_m * block_d >= 64 * 128
