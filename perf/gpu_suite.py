@@ -9,6 +9,8 @@ tokenizer of ``perf/suite/tokenizer.py``).
    budget is 0); blocks resident in the assembly buffer; the floor (uncached forward only).
 3. Memory per cached token (computed and measured).
 4. Kernel GB/s: ``perf/kernels/gpu_check.py --skip-tests`` (gather, scatter, RoPE vs copy).
+5. Attention for a few new tokens over many rows: ``python -m perf.bench_attention --gpu`` (dense
+   SDPA vs FlexAttention vs the split-KV kernel; ``--no-attention`` skips it).
 
 Targets (issue 8): >= 15x at 5K tokens with the device tier, >= 3x with the pinned-host tier.
 
@@ -135,6 +137,22 @@ def kernel_check(dry_run: bool) -> dict:
             "output": done.stdout + done.stderr}
 
 
+def attention_check(dry_run: bool) -> dict:
+    """Run ``perf.bench_attention`` (``--gpu``; ``--tiny`` on a dry run) as a subprocess; its table
+    and JSON are the result."""
+    cmd = [sys.executable, "-m", "perf.bench_attention", "--tiny" if dry_run else "--gpu"]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    try:
+        report = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        report = None
+    text = "\n".join(line for line in lines[:-1] if line.startswith("|"))
+    return {"command": " ".join(cmd), "returncode": done.returncode, "seconds": time.perf_counter() - started,
+            "output": text or (done.stdout + done.stderr)[-4000:], "report": report}
+
+
 def ttft_table(rows: list[dict]) -> list[str]:
     lines = ["| tokens | no reuse | device tier | pinned host | resident | floor | x device | x host | x resident |"
              " device / floor |", "|" + "---|" * 10]
@@ -184,6 +202,9 @@ def summary(results: dict) -> str:
     if "kernels" in results:
         lines += ["## Kernels (`perf/kernels/gpu_check.py`)", "", "```", results["kernels"]["output"].strip(), "```",
                   ""]
+    if "attention" in results:
+        lines += ["## Attention for a few new tokens (`python -m perf.bench_attention --gpu`)", "",
+                  results["attention"]["output"].strip(), ""]
     return "\n".join(lines)
 
 
@@ -195,6 +216,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lengths", type=int, nargs="+")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-kernels", action="store_true", help="skip perf/kernels/gpu_check.py")
+    ap.add_argument("--no-attention", action="store_true", help="skip perf.bench_attention")
     ap.add_argument("--out", type=Path, help="output directory (default perf/results/<gpu>/gpu)")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
@@ -230,6 +252,9 @@ def run(args: argparse.Namespace) -> dict:
     if not args.no_kernels:
         print("kernels …", flush=True)
         results["kernels"] = kernel_check(args.dry_run)
+    if not args.no_attention:
+        print("attention …", flush=True)
+        results["attention"] = attention_check(args.dry_run)
     results["elapsed_s"] = time.perf_counter() - started
     return results
 

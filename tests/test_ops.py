@@ -595,7 +595,7 @@ def test_backend_override_switches_implementation(monkeypatch, env, backend, run
 
 # ----------------------------------------------------------------------------- import pckernels
 
-OP_NAMES = {"gather_concat", "gather_rotate", "scatter_rows", "linear", "rope_at_positions", "rope_at_positions_",
+OP_NAMES = {"gather_concat", "gather_rotate", "scatter_rows", "row_attention", "linear", "rope_at_positions", "rope_at_positions_",
             "rerotate_keys_", "apply_rotary_pos_emb"}
 
 IMPORT_ONLY = r"""

@@ -293,6 +293,14 @@ class KVArena:
         block.refs += 1
         block.last_use = self._clock
 
+    def forget_block(self, key) -> None:
+        """Forget block ``key`` if no request holds it (its rows become free): a block whose rows
+        were never filled must not be found resident."""
+        block = self.blocks.get(key)
+        if block is not None and block.refs == 0:
+            del self.blocks[key]
+            self.allocator.release(block.rows)
+
     def release_block(self, key) -> None:
         block = self.blocks.get(key)
         if block is not None and block.refs > 0:

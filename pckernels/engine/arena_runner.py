@@ -102,7 +102,8 @@ class ArenaRunner:
         result = StepResult(items=len(items) + len(reads))
         if items:
             try:
-                plan = StepPlan.build(items, self.arena, self.ctx.dtype, self.ctx.device, self._static())
+                plan = StepPlan.build(items, self.arena, self.ctx.dtype, self.ctx.device, self._static(),
+                                      rows=self.ctx.adapter.attention_backend != "dense")
                 logits = graphs.readout(plan.run(self.ctx.adapter, self.cache))
             except Exception as exc:  # the step's requests fail, the others go on
                 result.failed.extend(item.active for item in items)

@@ -27,6 +27,8 @@ from pckernels.engine.options import resolve_device, resolve_dtype
 from pckernels.errors import OptionError
 from pckernels.typed import typed_options
 from pckernels.integration.native import MATMULS, bf16_matmul_supported
+from pckernels.integration.row_attention import ATTENTION_BACKENDS
+from pckernels.kernels._common import triton_runnable
 from pckernels.pml.placement import PLACEMENTS
 from pckernels.prefix.cache import RESUME
 from pckernels.store import RemoteTier, parse_remote_url
@@ -64,7 +66,11 @@ class EngineConfig:
     The step: ``step_graphs`` (a :class:`~pckernels.engine.graphs.StepGraphs` or its mode
     ``"auto"``, ``"off"``, ``"static"``, ``"captured"``; ``None``: ``"auto"``) — bucketed static
     shapes replayed from CUDA graphs on CUDA, exact shapes on CPU by default (``docs/engine.md``,
-    "The captured step"); ``"captured"`` on a CPU engine is refused.
+    "The captured step"); ``"captured"`` on a CPU engine is refused. ``attention``: the attention
+    backend of the step's forward through the model's modules (``"auto"``, ``"dense"``, ``"flex"``,
+    ``"split_kv"``; :mod:`pckernels.integration.row_attention`, ``docs/engine.md``, "Attention
+    backends"): ``"auto"`` is ``"dense"`` until GPU measurements choose; ``"split_kv"`` needs CUDA
+    (or the Triton interpreter, for tests).
     """
 
     device: torch.device | str | None = None
@@ -86,6 +92,7 @@ class EngineConfig:
     placement: str = "compact"
     step_graphs: StepGraphs | str | None = None
     kv_events: KVEventsConfig | Any = None
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("device_budget", "host_budget", "disk_budget", "kv_budget"):
@@ -118,6 +125,11 @@ class EngineConfig:
         self._set("step_graphs", graphs)
         if self.kv_events is not None and not hasattr(self.kv_events, "ledger"):
             self._set("kv_events", kv_events_config(self.kv_events))
+        _choice(self.attention, "attention", ATTENTION_BACKENDS)
+        if self.attention == "split_kv" and _on_cpu(self.device) and not triton_runnable(torch.device("cpu")):
+            raise OptionError("attention", self.attention, "auto, dense or flex on the CPU", choices=ATTENTION_BACKENDS,
+                              message="attention='split_kv' runs a Triton kernel: it needs a CUDA device (or "
+                                      "TRITON_INTERPRET=1 set before import, for tests); the engine runs on the CPU")
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)

@@ -12,6 +12,7 @@ through one :class:`~pckernels.engine.context.EngineContext`, never through this
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -42,12 +43,15 @@ from pckernels.errors import OptionError, PMLError
 from pckernels.integration.adapters import ModelAdapter, adapter_for
 from pckernels.integration.identity import model_fingerprint
 from pckernels.integration.positions import KeyRotation
+from pckernels.integration.row_attention import resolve_attention
 from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
 from pckernels.prefix import PrefixCache, encode_prompt
 from pckernels.program import ProgramCall
 from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir
 from pckernels.store.events import KVEventsConfig, start_publisher
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_PREFIX_BLOCK", "EngineConfig", "PromptCache"]
 
@@ -153,6 +157,11 @@ class PromptCache:
         plain prompts only, exact prefix reuse), None for attention-only models."""
         self.max_positions = self.adapter.max_positions()
         self.matmul = matmul
+        if self.recurrent is None:
+            self.adapter.attention_backend = resolve_attention(config.attention, torch.device(self.device))
+            if self.adapter.attention_backend != "dense" and self.adapter.native is not None:
+                log.info("attention=%r applies to the HF modules' forward; this model runs promptcache's native "
+                         "CPU forward, whose attention is its own", config.attention)
         if config.prefix_resume == "token" and self.recurrent is not None:
             raise OptionError("prefix_resume", "token", "block on a model with recurrent layers",
                               message="prefix_resume='token' needs an attention-only model: recurrent states exist "

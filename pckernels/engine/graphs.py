@@ -136,7 +136,11 @@ class StaticStep:
         """Rows: ids, positions, arena rows, keep; the first ``q`` (``k``) entries used."""
         self.bias = torch.empty(0, dtype=dtype, device=device)
         """Flat: the step's ``[qb, eb]`` mask is its first ``qb * eb`` entries."""
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.seen = torch.empty(0, dtype=torch.bool, device=device)
+        """Flat: the mask by rows' ``seen [qb + 1, eb]`` (row attention backends only)."""
+        self.row_info = torch.zeros(3, n, dtype=torch.int32, device=device)
+        """The mask by rows' ``group``, ``start``, ``stop`` per query."""
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._data = None
         self.failed: str | None = None
@@ -164,6 +168,19 @@ class StaticStep:
             self._graphs.clear()
             self.bias = torch.full((need,), float("nan"), dtype=self.dtype, device=self.device)
 
+    def row_buffers(self, groups: int, width: int, info: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views for the step's mask by rows: ``seen [qb + 1, width]`` (the caller fills its first
+        ``groups`` rows and the last; ``groups <= qb + 1``) and ``info [3, qb]`` with ``info``
+        (group, start, stop per query) copied in."""
+        qb = len(info[0])
+        need = (self.options.max_tokens + 1) * self.arena.capacity
+        if self.seen.numel() < need:
+            self._graphs.clear()
+            self.seen = torch.zeros(need, dtype=torch.bool, device=self.device)
+        host = torch.tensor(info, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self.row_info[:, :qb].copy_(host, non_blocking=True)
+        return self.seen[:(qb + 1) * width].view(qb + 1, width), self.row_info[:, :qb]
+
     def load(self, ids: list[int], positions: list[int], rows: list[int], keep: list[int],
              extent: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Write the step's inputs, padded to their buckets, into the static buffers (one copy);
@@ -182,13 +199,13 @@ class StaticStep:
         return self.inputs[0, :qb][None], self.inputs[1, :qb], self.inputs[2, :qb], self.inputs[3, :qb], bias
 
     def forward(self, adapter: ModelAdapter, cache, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                keep: torch.Tensor, bias: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+                keep: torch.Tensor, bias: torch.Tensor, key_pos: torch.Tensor, by_rows=None) -> torch.Tensor:
         """The forward over the loaded buffers: logits ``[qb, vocab]`` (the first ``k`` are the
         step's; a captured graph's output is overwritten by its next replay — read it first)."""
-        spec = AttentionSpec(bias, positions, key_pos)
+        spec = AttentionSpec(bias, positions, key_pos, by_rows)
         if not self.capture or self.failed is not None:
             return dynamic_forward(adapter, cache, ids, positions, rows, bias.shape[1], spec, keep)
-        key = tuple(bias.shape)
+        key = (tuple(bias.shape), by_rows is not None)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(adapter, cache, ids, positions, rows, spec, keep)

@@ -12,6 +12,7 @@ decoding joins the batch with nothing moved.
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from collections.abc import Callable, Hashable
 
 import torch
@@ -64,6 +65,7 @@ class Placer:
         active = ArenaRequest(handle, choice, cached_tokens=plan.cached_tokens, computed_tokens=len(plan.new_tokens),
                               mode=request.mode, new_tokens=list(plan.new_tokens),
                               new_positions=list(plan.new_positions), live=plan.live)
+        pending: list[_Pending] = []
         try:
             visible: list[torch.Tensor] = []
             top = -1
@@ -71,7 +73,10 @@ class Placer:
                 if ref.n_rows == 0:
                     continue
                 key = self.ctx.blocks.arena_key(request.schema, ref)
-                block = self.arena.block(key) or self.place(request.schema, ref, key)
+                block = self.arena.block(key)
+                if block is None:
+                    pending.append(self._prepare(request.schema, ref, key))
+                    block = pending[-1].block
                 self.arena.acquire(block)
                 active.block_keys.append(key)
                 if ref.hidden:  # chosen on the host: a boolean index would wait for the device on CUDA
@@ -85,8 +90,11 @@ class Placer:
             active.block_rows = torch.cat(visible) if visible else torch.zeros(0, dtype=torch.long, device=device)
             active.max_row = top
             active.rows = self.arena.allocate(own_rows(request))
+            self._copy(pending)
         except BaseException:
             self.release(active)
+            for entry in pending:  # rows never filled: no later request may find them resident
+                self.arena.forget_block(entry.block.key)
             raise
         self.ctx.blocks.prefetch_siblings(request.schema, [ref.module for ref in plan.blocks])
         active.next_pos = max(request.positions) + 1
@@ -95,35 +103,62 @@ class Placer:
 
     def place(self, schema: Schema, ref: BlockRef, key: Hashable) -> ResidentBlock:
         """Copy one module block ``[L, 2, H, n, D]`` from the store (encoding it if no tier holds it)
-        into new rows; a moved block's own-token runs (``ref.shifts``: ``(first, stop, delta)``) get
-        their new positions and, for RoPE keys, a turn by ``R(delta)`` on the way (one gather-rotate)."""
+        into new rows (:meth:`_prepare` and :meth:`_copy` for one block)."""
+        entry = self._prepare(schema, ref, key)
+        try:
+            self._copy([entry])
+        except BaseException:
+            self.arena.forget_block(key)
+            raise
+        return entry.block
+
+    def _prepare(self, schema: Schema, ref: BlockRef, key: Hashable) -> "_Pending":
+        """A block to place: fetched from the store (or encoded), given new rows in the arena, and its
+        copy planned — table entries ``(src, dst, n, delta)`` per run of rows: a moved block's
+        own-token runs (``ref.shifts``: ``(first, stop, delta)``) get their new positions and, for
+        RoPE keys, a turn by ``R(delta)`` on the way. Nothing is copied yet (:meth:`_copy`)."""
         blocks = self.ctx.blocks
         tensor = blocks.fetch_block(schema, ref.module, ref.scaffold, ref.geometry)
-        block = self.arena.add_block(key, ref.n_rows)
         positions = blocks.block_positions(schema, ref.module, ref.scaffold, ref.geometry)
+        block = self.arena.add_block(key, ref.n_rows)
         shifts = ref.shifts or ((0, ref.n_rows, 0),)
-        table = []
+        runs = []
         src = 0
         for start, stop in row_ranges(block.rows):
             for first, last, shift in shifts:
                 a, b = max(first, src), min(last, src + stop - start)
                 if a < b:
-                    table.append((0, a, start + a - src, b - a, shift))
+                    runs.append((a, start + a - src, b - a, shift))
             src += stop - start
-        rows = torch.tensor(table, dtype=torch.int64)
-        rotation = blocks.key_rotation() if ref.shifts else None
-        if rotation is not None and rotation.kind == "rope":
-            ops.gather_rotate(self.arena.data, [tensor], rows, rotation.inv_freq)
-        else:  # unmoved, or moved keys without position (ALiBi): a plain copy
-            ops.gather_concat(self.arena.data, [tensor], rows[:, :4].contiguous())
         if ref.shifts:
             delta = torch.repeat_interleave(torch.tensor([s for _, _, s in shifts], dtype=torch.long),
                                             torch.tensor([b - a for a, b, _ in shifts], dtype=torch.long))
             positions = positions + delta.to(positions.device)
-            self.counters["blocks_moved"] += 1
-        self.arena.row_pos[block.index] = positions
-        self.counters["blocks_placed"] += 1
-        return block
+        return _Pending(block, tensor, runs, positions, bool(ref.shifts))
+
+    def _copy(self, pending: list["_Pending"]) -> None:
+        """Copy every pending block into its rows: one gather-rotate for all moved blocks (RoPE keys)
+        and one gather-concat for the rest — a launch per kind, not per block — then their rows'
+        positions in one write."""
+        if not pending:
+            return
+        rotation = self.ctx.blocks.key_rotation() if any(p.moved for p in pending) else None
+        rope = rotation is not None and rotation.kind == "rope"
+        plain: tuple[list, list] = ([], [])
+        turned: tuple[list, list] = ([], [])
+        for entry in pending:
+            tensors, table = turned if entry.moved and rope else plain
+            index = len(tensors)
+            tensors.append(entry.tensor)
+            table.extend((index, *run) for run in entry.runs)
+        if plain[1]:
+            ops.gather_concat(self.arena.data, plain[0], torch.tensor(plain[1], dtype=torch.int64)[:, :4].contiguous())
+        if turned[1]:
+            ops.gather_rotate(self.arena.data, turned[0], torch.tensor(turned[1], dtype=torch.int64), rotation.inv_freq)
+        index = torch.cat([entry.block.index for entry in pending])
+        self.arena.row_pos[index] = torch.cat([entry.positions for entry in pending])
+        self.counters["blocks_placed"] += len(pending)
+        self.counters["blocks_moved"] += sum(entry.moved for entry in pending)
 
     def _start_prefix(self, handle: RequestHandle, choice: TokenChoice) -> tuple[ArenaRequest, torch.Tensor | None]:
         """Begin reading a plain prompt through the prefix cache straight into a contiguous run of
@@ -229,3 +264,16 @@ class Placer:
         if active.rows:
             self.arena.release(active.rows)
             active.rows = []
+
+
+@dataclass
+class _Pending:
+    """A block given rows but not yet copied (:meth:`Placer._prepare`): the store's ``tensor``
+    ``[L, 2, H, n, D]``, its ``runs`` ``(src, dst, n, delta)``, its rows' ``positions``, and whether
+    it ``moved``."""
+
+    block: ResidentBlock
+    tensor: torch.Tensor
+    runs: list[tuple[int, int, int, int]]
+    positions: torch.Tensor
+    moved: bool

@@ -29,6 +29,7 @@ from pckernels.engine.runner import PromptBudget
 from pckernels.engine.running import ArenaRequest
 from pckernels.integration.adapters import ModelAdapter
 from pckernels.integration.attention import AttentionSpec
+from pckernels.integration.row_attention import RowMask
 
 NEG_INF = float("-inf")
 
@@ -108,10 +109,12 @@ class StepPlan:
 
     @classmethod
     def build(cls, items: list[StepItem], arena: KVArena, dtype: torch.dtype, device: torch.device,
-              static: StaticStep | None = None) -> "StepPlan":
+              static: StaticStep | None = None, rows: bool = False) -> "StepPlan":
         """Pack ``items`` (module docstring). Writes the rows' positions into ``arena.row_pos`` and
         the step's visible rows into each request: the step's keys are the rows as they will be.
         With ``static`` (and a step within its buckets) the inputs go to its buffers, padded.
+        With ``rows`` the spec also carries the mask by rows (:func:`row_mask`; not for a step
+        with an oracle's explicit mask) for the row-attention backends.
         Sizes come from host lists; device tensors are only written (no host wait on CUDA)."""
         ids_list = [t for item in items for t in item.tokens]
         pos_list = [p for item in items for p in item.positions]
@@ -123,16 +126,16 @@ class StepPlan:
         q = len(ids_list)
         extent = 1 + max(max(max(item.rows), item.active.max_row) for item in items)
         if static is not None and static.fits(q, extent):
-            ids, positions, rows, keep, bias = static.load(ids_list, pos_list, row_list, keep_list, extent)
+            ids, positions, row_tensor, keep, bias = static.load(ids_list, pos_list, row_list, keep_list, extent)
             width = bias.shape[1]
         else:
             static = None
             ids = stage([ids_list], torch.long, device)
             positions = stage(pos_list, torch.long, device)
-            rows = stage(row_list, torch.long, device)
+            row_tensor = stage(row_list, torch.long, device)
             keep = stage(keep_list, torch.long, device)
             width = extent
-        arena.row_pos[rows[:q]] = positions[:q]
+        arena.row_pos[row_tensor[:q]] = positions[:q]
         for item in items:
             _make_visible(item, device)
         key_pos = arena.row_pos[:width]
@@ -142,8 +145,11 @@ class StepPlan:
             bias.masked_fill_(allowed, 0.0)
         else:
             bias[:q].fill_(NEG_INF).masked_fill_(allowed, 0.0)
-        return cls(items, ids, positions, rows, width, AttentionSpec(bias, positions, key_pos), keep, wanted,
-                   static, len(keep_list))
+        by_rows = None
+        if rows and all(item.decode or item.active.live is None for item in items):
+            by_rows = row_mask(items, key_pos, positions, width, device, static)
+        return cls(items, ids, positions, row_tensor, width, AttentionSpec(bias, positions, key_pos, by_rows), keep,
+                   wanted, static, len(keep_list))
 
     def run(self, adapter: ModelAdapter, cache: BufferCache) -> torch.Tensor:
         """The step's forward over the arena (``cache``); logits ``[k, vocab]`` of ``keep``."""
@@ -151,7 +157,7 @@ class StepPlan:
             return dynamic_forward(adapter, cache, self.ids, self.positions, self.rows, self.extent, self.spec,
                                    self.keep)
         logits = self.static.forward(adapter, cache, self.ids, self.positions, self.rows, self.keep,
-                                     self.spec.bias, self.spec.key_pos)
+                                     self.spec.bias, self.spec.key_pos, self.spec.rows)
         return logits[:self.count]
 
     def outputs(self, logits: torch.Tensor) -> Iterator[tuple[StepItem, torch.Tensor]]:
@@ -203,6 +209,32 @@ def _allowed(items: list[StepItem], key_pos: torch.Tensor, positions: torch.Tens
         visible[active.own_visible] = True
         allowed[span] = visible[None, :] & (key_pos[None, :] <= positions[span, None])
     return allowed
+
+
+def row_mask(items: list[StepItem], key_pos: torch.Tensor, positions: torch.Tensor, width: int,
+             device: torch.device, static: StaticStep | None = None) -> RowMask:
+    """The step's mask by rows: a group per item (its request's visible rows, ``seen [G, width]``),
+    each query's group, and its rows' range ``0 .. 1 + max(visible row)`` (from host integers).
+    Padded queries of a static step (``positions`` longer than the items' tokens) form one more
+    group that sees every row; their outputs are never read. In a static step the tensors are
+    views of its buffers (:meth:`StaticStep.row_buffers`), so a captured graph reads them."""
+    q = sum(len(item.tokens) for item in items)
+    total = len(positions)
+    groups = [g for g, item in enumerate(items) for _ in item.tokens] + [len(items)] * (total - q)
+    stops = [1 + max(max(item.rows), item.active.max_row) for item in items for _ in item.tokens]
+    stops += [width] * (total - q)
+    if static is None:
+        seen = torch.zeros(len(items) + (total > q), width, dtype=torch.bool, device=device)
+        info = stage([groups, [0] * total, stops], torch.int32, device)
+    else:
+        seen, info = static.row_buffers(len(items) + 1, width, [groups, [0] * total, stops])
+        seen.zero_()
+    for g, item in enumerate(items):
+        seen[g, item.active.block_rows] = True
+        seen[g, item.active.own_visible] = True
+    if total > q:
+        seen[len(items)].fill_(True)
+    return RowMask(seen, info[0], positions, key_pos, info[1], info[2])
 
 
 def _on(mask: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -103,6 +103,9 @@ class ModelAdapter:
     """
 
     families: tuple[str, ...] = ()
+    row_attention = True
+    """Whether the family's attention may run a row-attention backend (False where the family adds
+    to attention what a row mask does not carry, e.g. ALiBi)."""
 
     def __init__(self, model: torch.nn.Module, *, attach: bool = True, matmul: str = "fp32") -> None:
         self.model = model
@@ -123,6 +126,11 @@ class ModelAdapter:
         """The :class:`~pckernels.integration.native.NativeDecoder` running forwards over promptcache's
         KV buffers, when the model is one it recognises (on CPU); None: HF's modules run them."""
         self.matmul = matmul
+        self.attention_backend = "dense"
+        """The attention backend of this instance's promptcache forwards (``"dense"``, ``"flex"``,
+        ``"split_kv"``; :mod:`~pckernels.integration.row_attention`). The engine sets it; it applies
+        to the HF modules' forward (never the native CPU forward) of models without sliding windows,
+        and only in families that keep HF's attention interface (:attr:`row_attention`)."""
         if attach:
             self.attach()
 
@@ -216,7 +224,8 @@ class ModelAdapter:
         if attention is None:
             out = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
         else:
-            with forward_state(ForwardState(attention, self.query_chunk, self.grouped_kv)):
+            backend = self.attention_backend if self.row_attention and self.windows is None else "dense"
+            with forward_state(ForwardState(attention, self.query_chunk, self.grouped_kv, backend=backend)):
                 out = self.model(input_ids=input_ids, position_ids=position_ids,
                                  attention_mask=self.attention_mask(attention), **kwargs)
         logits = out.logits[0]

@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from pckernels.integration.row_attention import RowMask, attend_rows
+
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
@@ -30,11 +32,14 @@ class AttentionSpec:
     ``bias [q, kv]``: additive, 0 where query i may attend key j and -inf elsewhere, in the
     model's dtype. ``query_pos [q]`` and ``key_pos [kv]``: the schema positions of queries and
     keys, for families whose attention depends on them beyond RoPE (sliding windows, ALiBi).
+    ``rows``: the same mask by rows (:class:`~pckernels.integration.row_attention.RowMask`), for
+    the row-attention backends; None where the step did not build it (dense attention only).
     """
 
     bias: torch.Tensor
     query_pos: torch.Tensor
     key_pos: torch.Tensor
+    rows: RowMask | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ ATTENTION = "promptcache_sdpa"
 @dataclass
 class ForwardState:
     """What one promptcache forward tells the code it reaches inside the model: the attention
-    spec, the adapter's CPU attention settings, and memos made during the forward. Held in a
+    spec, the adapter's CPU attention settings, the attention backend (``"dense"``, ``"flex"``,
+    ``"split_kv"``: :mod:`~pckernels.integration.row_attention`), and memos made during the forward. Held in a
     ``ContextVar`` for the duration of :meth:`ModelAdapter.forward`, so concurrent forwards in
     other threads (and baseline forwards of any model) never see it."""
 
@@ -83,6 +89,7 @@ class ForwardState:
     query_chunk: int | None
     grouped_kv: bool
     memo: dict = field(default_factory=dict)
+    backend: str = "dense"
 
     def alibi(self, slopes: torch.Tensor, *, per_query: bool = True) -> torch.Tensor:
         """ALiBi from schema positions for ``slopes [H]``: ``[H, q, kv]``, or ``[H, 1, kv]`` against
@@ -151,8 +158,18 @@ def promptcache_attention(module, query, key, value, attention_mask, dropout: fl
     (HF only does so without a mask, for CUDA's sake), and a long forward runs
     ``query_chunk`` query rows at a time, each run over the keys up to the last one it may see —
     CPU SDPA cannot skip masked blocks, so a long span of new text otherwise pays for the whole
-    ``q x kv`` rectangle. Outputs agree with one SDPA call to rounding."""
+    ``q x kv`` rectangle. Outputs agree with one SDPA call to rounding.
+
+    On any device, a forward whose state selects a row-attention backend (``"flex"``,
+    ``"split_kv"``) and whose spec carries the mask by rows runs that backend instead of SDPA
+    (:func:`~pckernels.integration.row_attention.attend_rows`; where it does not apply, SDPA)."""
     state = _FORWARD.get()
+    if (state is not None and state.backend != "dense" and state.spec.rows is not None and attention_mask is not None
+            and not dropout and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and kwargs.get("sliding_window") is None):
+        out = attend_rows(state.backend, query, key, value, state.spec.rows, scaling, state.memo)
+        if out is not None:
+            return out, None
     if (state is None or query.device.type != "cpu" or attention_mask is None or attention_mask.ndim != 4
             or attention_mask.dtype == torch.bool or dropout or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None):

@@ -25,6 +25,7 @@ __all__ = [
     "launch_counts",
     "linear",
     "reset_launch_counts",
+    "row_attention",
     "scatter_rows",
     "write_rows",
 ]
@@ -81,6 +82,27 @@ def scatter_rows(k_out: Tensor, v_out: Tensor, k: Tensor, v: Tensor, rows: Tenso
         torch.ops.promptcache.scatter_rows(k_out, v_out, k, v, rows, resolve_backend(backend))
     else:
         _lib.scatter_rows_impl(k_out, v_out, k, v, rows, backend)
+
+
+def row_attention(q: Tensor, k: Tensor, v: Tensor, seen: Tensor, group: Tensor, query_pos: Tensor, key_pos: Tensor,
+                  start: Tensor, stop: Tensor, *, scale: float, window: int | None = None, splits: int | None = None,
+                  backend: str | None = None) -> Tensor:
+    """Attention of a few queries over many KV rows with the mask given by rows -> ``[n, Hq, D]``.
+
+    ``q [Hq, n, D]``, ``k, v [Hkv, kv, D]`` (grouped heads); query ``i`` sees row ``j`` when
+    ``seen[group[i], j]`` (``seen [G, kv]`` bool, ``group [n]``), ``start[i] <= j < stop[i]``,
+    ``key_pos[j] <= query_pos[i]`` and, with ``window``, ``query_pos[i] - key_pos[j] < window``.
+    Unseen rows contribute nothing (NaN there included); a query that sees nothing gets zeros.
+    Triton (split-KV, ``splits`` stretches per KV head, None: chosen for the device) on CUDA for up
+    to 64 query rows per KV head, else the torch path.
+    """
+    win = -1 if window is None else int(window)
+    sp = -1 if splits is None else int(splits)
+    if _use_op():
+        return torch.ops.promptcache.row_attention(q, k, v, seen, group, query_pos, key_pos, start, stop, float(scale),
+                                                   win, sp, resolve_backend(backend))
+    return _lib.row_attention_impl(q, k, v, seen, group, query_pos, key_pos, start, stop, float(scale), win, sp,
+                                   backend)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, backend: str | None = None) -> Tensor:

@@ -20,6 +20,7 @@ from torch.library import custom_op
 
 from pckernels.kernels import gather_concat as _g
 from pckernels.kernels import gather_rotate as _gr
+from pckernels.kernels import row_attention as _ra
 from pckernels.kernels import scatter_rows as _s
 from pckernels.kernels._common import triton_for
 
@@ -57,6 +58,18 @@ def scatter_rows_impl(k_out: Tensor, v_out: Tensor, k: Tensor, v: Tensor, rows: 
         _s.scatter_rows_torch(k_out, v_out, k, v, rows)
 
 
+def row_attention_impl(q: Tensor, k: Tensor, v: Tensor, seen: Tensor, group: Tensor, query_pos: Tensor,
+                       key_pos: Tensor, start: Tensor, stop: Tensor, scale: float, window: int = -1, splits: int = -1,
+                       backend: str | None = "auto") -> Tensor:
+    """``q [Hq, n, D]`` over ``k, v [Hkv, kv, D]`` under the row mask (``window`` -1: none) -> ``[n, Hq, D]``;
+    the Triton kernel where it fits (:func:`pckernels.kernels.row_attention.triton_fits`), else torch."""
+    _ra.check_row_attention_args(q, k, v, seen, group, query_pos, key_pos, start, stop)
+    win = None if window < 0 else window
+    if triton_for(q.device, backend) and _ra.triton_fits(q, k):
+        return _ra.row_attention_triton(q, k, v, seen, group, query_pos, key_pos, start, stop, scale, win, splits)
+    return _ra.row_attention_torch(q, k, v, seen, group, query_pos, key_pos, start, stop, scale, win)
+
+
 @custom_op("promptcache::gather_concat", mutates_args={"out"})
 def gather_concat_op(out: Tensor, blocks: list[Tensor], table: Tensor, max_rows: int = -1,
                      backend: str = "auto") -> None:
@@ -91,6 +104,21 @@ def scatter_rows_op(k_out: Tensor, v_out: Tensor, k: Tensor, v: Tensor, rows: Te
 @scatter_rows_op.register_fake
 def _scatter_rows_fake(k_out, v_out, k, v, rows, backend="auto") -> None:
     _s.check_scatter_args(k_out, v_out, k, v, rows)
+
+
+@custom_op("promptcache::row_attention", mutates_args=())
+def row_attention_op(q: Tensor, k: Tensor, v: Tensor, seen: Tensor, group: Tensor, query_pos: Tensor,
+                     key_pos: Tensor, start: Tensor, stop: Tensor, scale: float, window: int = -1, splits: int = -1,
+                     backend: str = "auto") -> Tensor:
+    """Registered :func:`row_attention_impl`."""
+    return row_attention_impl(q, k, v, seen, group, query_pos, key_pos, start, stop, scale, window, splits, backend)
+
+
+@row_attention_op.register_fake
+def _row_attention_fake(q, k, v, seen, group, query_pos, key_pos, start, stop, scale, window=-1, splits=-1,
+                        backend="auto"):
+    _ra.check_row_attention_args(q, k, v, seen, group, query_pos, key_pos, start, stop)
+    return q.new_empty((q.shape[1], q.shape[0], q.shape[2]))
 
 
 def onednn_linear_usable(x: Tensor, weight: Tensor) -> bool:

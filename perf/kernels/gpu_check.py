@@ -80,8 +80,11 @@ def gpu_info() -> None:
 
 
 def run_tests() -> int:
+    row = "tests/test_row_attention.py::"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels_triton.py",
-           "tests/test_ops.py", "tests/test_rope_patch.py"]
+           "tests/test_ops.py", "tests/test_rope_patch.py", row + "test_split_kv_kernel_matches_reference",
+           row + "test_split_kv_kernel_matches_dense_sdpa", row + "test_split_kv_kernel_takes_strided_views",
+           row + "test_backends_in_captured_steps_on_cuda"]
     print("$", " ".join(cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT)
 

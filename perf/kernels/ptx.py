@@ -43,6 +43,7 @@ CAP, BLOCK_ROWS, Q = 8192, 640, 20
 DTYPE = torch.bfloat16
 
 _ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.[\w:]+)*)")
+_ASYNC = re.compile(r"\b(cp\.async\.\w+\.shared\.global) \[[^]]*\], \[[^]]*\], (0x\w+|\d+)")
 
 
 def offline_compiler():
@@ -83,20 +84,27 @@ def specialise(fn, args: dict, tools) -> tuple[dict, dict, dict]:
     return signature, constexprs, attrs
 
 
-def compile_kernel(fn, args: dict, tools, num_warps: int = 4):
-    """The compiled kernel (``.asm`` has ``ttgir``, ``ptx``, and ``cubin`` when ptxas ran)."""
+def compile_kernel(fn, args: dict, tools, num_warps: int | tuple[int, int] = 4):
+    """The compiled kernel (``.asm`` has ``ttgir``, ``ptx``, and ``cubin`` when ptxas ran);
+    ``num_warps`` may be ``(warps, stages)``."""
     compile_, ast_source, gpu_target, _, _ = tools
+    options = {"num_warps": num_warps}
+    if isinstance(num_warps, tuple):
+        options = {"num_warps": num_warps[0], "num_stages": num_warps[1]}
     signature, constexprs, attrs = specialise(fn, args, tools)
     src = ast_source(fn, signature, constexprs=constexprs, attrs=attrs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return compile_(src, target=gpu_target("cuda", ARCH, WARP), options={"num_warps": num_warps})
+        return compile_(src, target=gpu_target("cuda", ARCH, WARP), options=options)
 
 
 def summary(kernel) -> dict:
-    """``{"loads": {...}, "stores": {...}, "convert_layout": bool}`` of a compiled kernel."""
+    """``{"loads": {...}, "stores": {...}, "convert_layout": bool}`` of a compiled kernel; global->shared
+    async copies (how tiles feeding ``tl.dot`` are loaded on sm_90) count as loads, by bytes:
+    ``cp.async.cg.shared.global.16B``."""
     found = Counter(_ACCESS.findall(kernel.asm["ptx"]))
-    loads = {k: v for k, v in sorted(found.items()) if k.startswith("ld.")}
+    found.update(f"{op}.{int(size, 0)}B" for op, size in _ASYNC.findall(kernel.asm["ptx"]))
+    loads = {k: v for k, v in sorted(found.items()) if k.startswith(("ld.", "cp."))}
     stores = {k: v for k, v in sorted(found.items()) if k.startswith("st.")}
     return {"loads": loads, "stores": stores, "convert_layout": "convert_layout" in kernel.asm["ttgir"]}
 
@@ -164,6 +172,23 @@ def cases() -> dict:
             t, sko_b=2 * H * CAP * D, sko_h=CAP * D, sko_r=D, sko_d=1, svo_b=2 * H * CAP * D, svo_h=CAP * D,
             svo_r=D, svo_d=1, sk_b=q * H * D, sk_h=D, sk_r=H * D, sk_d=1, sv_b=q * H * D, sv_h=q * D, sv_r=D,
             sv_d=1), warps)
+    from pckernels.kernels.row_attention import kernel as ra
+    # a decode step's attention over 8,192 rows: 16 queries with 4 query heads per KV head (GQA
+    # 32/8), and one query with one head per KV head (32/32)
+    for n, groups, suffix in ((16, 4, ""), (1, 1, "_q1")):
+        block_m, block_n, block_d, warps, stages = ra.config(groups, n, D, CAP)
+        out["row_attention" + suffix] = (ra._row_attention_split, dict(
+            q_ptr=ptr(DTYPE), k_ptr=ptr(DTYPE), v_ptr=ptr(DTYPE), seen_ptr=ptr(torch.uint8),
+            group_ptr=ptr(torch.int32), qpos_ptr=ptr(torch.int64), kpos_ptr=ptr(torch.int64),
+            start_ptr=ptr(torch.int32), stop_ptr=ptr(torch.int32), acc_ptr=ptr(torch.float32),
+            stat_ptr=ptr(torch.float32), n=n, kv=CAP, split_len=256, window=0, scale=0.088,
+            s_qh=n * D, s_qn=D, s_kh=CAP * D, s_kn=D, s_vh=CAP * D, s_vn=D, s_seen=CAP,
+            GROUPS=groups, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=False,
+            PRECISION="tf32", UPCAST=False), (warps, stages))
+    block_m, _, block_d, _, _ = ra.config(4, 16, D, CAP)
+    out["row_attention_combine"] = (ra._row_attention_combine, dict(
+        acc_ptr=ptr(torch.float32), stat_ptr=ptr(torch.float32), out_ptr=ptr(DTYPE), n=16, splits=32,
+        s_on=H * D, s_oh=D, GROUPS=4, D=D, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=32, ROUND_BF16=False), 1)
     return out
 
 

@@ -15,6 +15,7 @@ from pckernels.integration.attention import current_forward
 
 
 class _AlibiAdapter(ModelAdapter):
+    row_attention = False  # ALiBi enters through the mask, which a row mask does not carry
     builder = ""
     """Name of the base model's method that returns its ALiBi tensor."""
 

@@ -48,6 +48,7 @@ def _install_position_alibi(modeling) -> None:
 @register_adapter
 class FalconAdapter(ModelAdapter):
     families = ("falcon",)
+    row_attention = False  # ALiBi variants add it to the mask
 
     def attach(self) -> None:
         super().attach()
