@@ -161,3 +161,31 @@ def _is_json(text: str) -> bool:
     except json.JSONDecodeError:
         return False
     return True
+
+
+CITY = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["name", "country"], "additionalProperties": False}
+
+
+def test_a_named_choice_forces_exactly_one_call(tokenizer):  # noqa: F811
+    """``tool_choice`` naming a function is one call, whatever ``parallel_tool_calls`` says (OpenAI
+    and vLLM): SmolLM2 repeated the forced call until max_tokens, and instructor's TOOLS mode raised
+    on the ``length`` finish. ``required`` stays one or more calls, one when parallel is false."""
+    from pckernels.generation.grammar import Grammars
+    from pckernels.server.tools import forced
+
+    grammars = Grammars(tokenizer)
+    tools = [{"type": "function", "function": {"name": "City", "parameters": CITY}}]
+
+    def accepts(lark: str, text: str) -> bool:
+        matcher = grammars.lark(lark).matcher()._matcher
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    named = {"type": "function", "function": {"name": "City"}}
+    for choice, parallel, several in [(named, None, False), (named, True, False), ("required", None, True),
+                                      ("required", True, True), ("required", False, False)]:
+        lark = forced(tools, choice, parallel)
+        assert accepts(lark, WHOLE_CALL) and accepts(lark, WHOLE_CALL + "\n")
+        assert not accepts(lark, WHOLE_CALL[:-3])
+        assert accepts(lark, WHOLE_CALL + "\n" + WHOLE_CALL) == several, (choice, parallel)
