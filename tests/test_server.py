@@ -45,7 +45,7 @@ def _free_port() -> int:
 class Server:
     """A ``promptcache serve`` subprocess on a free loopback port."""
 
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, *args: str, ready_s: float = 180) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}.log"
@@ -54,7 +54,7 @@ class Server:
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen([sys.executable, "-m", "pckernels.cli", "serve", "--port", str(self.port),
                                       *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + ready_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.output()}")

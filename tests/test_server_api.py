@@ -366,3 +366,27 @@ def test_a_pml_prompt_ending_with_an_import_is_answered(server, library):
                                                    extra_body={"pml": pml})
         assert reply.choices[0].text == ref.text and ref.token_ids
         assert reply.usage.prompt_tokens_details.cached_tokens == ref.cached_tokens
+
+
+def test_a_cut_forced_call_is_a_call_with_finish_reason_length(server):
+    """A named call cut by max_tokens comes back as OpenAI and vLLM send it: in ``tool_calls``,
+    arguments unfinished, ``finish_reason`` ``length`` — whole and streamed alike (issue 43: as
+    content, LangChain's with_structured_output read it as no call and answered None)."""
+    client = server.client()
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=14,
+               temperature=0, tools=[WEATHER, TIME], parallel_tool_calls=False,
+               tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
+    deltas, reasons = [], []
+    for chunk in client.chat.completions.create(stream=True, **ask):
+        for streamed in chunk.choices:
+            deltas += streamed.delta.tool_calls or []
+            assert not streamed.delta.content
+            reasons.append(streamed.finish_reason)
+    assert reasons[-1] == "length" and [(d.function.name, d.function.arguments) for d in deltas] == \
+        [("get_weather", call.function.arguments)]

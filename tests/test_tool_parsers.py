@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from pckernels.server.tool_parsers import BY_NAME, PARSERS, ToolStream, pick_parser, template_parser
+from pckernels.server.tool_parsers import BY_NAME, PARSERS, ForcedCallParser, ToolStream, pick_parser, template_parser
 
 CASES = {
     "hermes": [
@@ -119,3 +119,73 @@ def test_auto_picks_the_template_format(tokenizer):  # noqa: F811
 
 
 from test_engine import tokenizer  # noqa: E402,F401  (a fixture)
+
+
+WHOLE_CALL = '<tool_call>\n{"name": "City", "arguments": {"name": "Paris", "country": "France"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("function", ["City", None])
+def test_a_cut_forced_call_is_still_a_call(function):
+    """A forced call cut by max_tokens comes back as a call with its arguments so far (invalid
+    JSON), as OpenAI and vLLM send it, instead of as content (issue 43: LangChain's
+    with_structured_output answered None). Whole, several and streamed answers are unchanged."""
+    parser = ForcedCallParser(function)
+    for cut in (len('<tool_call>\n{"name": "City", "arguments": {"name": "Pa'), len(WHOLE_CALL) - 16,
+                len('<tool_call>\n{"name": "City"'), len('<tool_call>\n{"name": "City", "argu')):
+        content, [call] = parser.parse(WHOLE_CALL[:cut])
+        assert content is None and call["function"]["name"] == "City", WHOLE_CALL[:cut]
+        arguments = call["function"]["arguments"]
+        assert WHOLE_CALL[:cut].endswith(arguments) and not _is_json(arguments)
+        stream = ToolStream(parser)
+        assert stream.push(WHOLE_CALL[:cut]) == ""
+        rest, [delta] = stream.finish(WHOLE_CALL[:cut])
+        assert rest == "" and delta["function"] == call["function"] and delta["index"] == 0
+    # cut before the name is whole: a named choice knows it, `required` does not
+    early = WHOLE_CALL[:len('<tool_call>\n{"na')]
+    content, calls = parser.parse(early)
+    assert (content, [c["function"] for c in calls]) == ((None, [{"name": "City", "arguments": ""}]) if function
+                                                          else (early, []))
+    # whole calls, and a second cut after a whole first one
+    content, [call] = parser.parse(WHOLE_CALL)
+    assert content is None and json.loads(call["function"]["arguments"]) == {"name": "Paris", "country": "France"}
+    content, (first, second) = parser.parse(WHOLE_CALL + "\n" + WHOLE_CALL[:40])
+    assert content is None and json.loads(first["function"]["arguments"])["name"] == "Paris"
+    assert second["function"]["name"] == "City" and not _is_json(second["function"]["arguments"])
+    # text without a block (what no forced grammar writes) is left alone
+    assert parser.parse("Paris") == ("Paris", [])
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+CITY = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["name", "country"], "additionalProperties": False}
+
+
+def test_a_named_choice_forces_exactly_one_call(tokenizer):  # noqa: F811
+    """``tool_choice`` naming a function is one call, whatever ``parallel_tool_calls`` says (OpenAI
+    and vLLM): SmolLM2 repeated the forced call until max_tokens, and instructor's TOOLS mode raised
+    on the ``length`` finish. ``required`` stays one or more calls, one when parallel is false."""
+    from pckernels.generation.grammar import Grammars
+    from pckernels.server.tools import forced
+
+    grammars = Grammars(tokenizer)
+    tools = [{"type": "function", "function": {"name": "City", "parameters": CITY}}]
+
+    def accepts(lark: str, text: str) -> bool:
+        matcher = grammars.lark(lark).matcher()._matcher
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    named = {"type": "function", "function": {"name": "City"}}
+    for choice, parallel, several in [(named, None, False), (named, True, False), ("required", None, True),
+                                      ("required", True, True), ("required", False, False)]:
+        lark = forced(tools, choice, parallel)
+        assert accepts(lark, WHOLE_CALL) and accepts(lark, WHOLE_CALL + "\n")
+        assert not accepts(lark, WHOLE_CALL[:-3])
+        assert accepts(lark, WHOLE_CALL + "\n" + WHOLE_CALL) == several, (choice, parallel)

@@ -26,7 +26,7 @@ from pckernels.server.errors import SUBMIT_ERRORS, request_error, run_error, sub
 from pckernels.server.protocol import APIError
 from pckernels.server.replies import Reply, finish_reason
 from pckernels.server.state import ServerState
-from pckernels.server.tool_parsers import HermesParser, ToolStream
+from pckernels.server.tool_parsers import ForcedCallParser, ToolStream
 from pckernels.server.tools import check_tools, forced, template_messages
 from pckernels.server.tenants import Tenant
 
@@ -111,7 +111,8 @@ async def generate(state: ServerState, http: Request, body, who: Tenant, *, chat
     info["engine_request"] = handles[0].id
     if chat:
         forced_call = body.calls_tools and (body.tool_choice == "required" or isinstance(body.tool_choice, dict))
-        reply.parser = HermesParser() if forced_call else state.tool_parser
+        named = body.tool_choice["function"]["name"] if isinstance(body.tool_choice, dict) else None
+        reply.parser = ForcedCallParser(named) if forced_call else state.tool_parser
     if body.stream:
         return StreamingResponse(_stream(state, watchers, reply, body, arrival, info), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

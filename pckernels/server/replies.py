@@ -7,7 +7,7 @@ import time
 import uuid
 
 from pckernels.server.logprobs import chat_logprobs, completion_logprobs
-from pckernels.server.tool_parsers import HermesParser, ToolParser, ToolStream
+from pckernels.server.tool_parsers import ForcedCallParser, HermesParser, ToolParser, ToolStream
 
 
 def finish_reason(reason: str) -> str:
@@ -82,13 +82,19 @@ class Reply:
                     message["content"], calls = self.parser.parse(result.text)
                     if calls:
                         message["tool_calls"] = calls
-                        reason = "tool_calls"
+                        reason = self.calls_reason(result)
                 choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs})
             else:
                 choices.append({"index": index, "text": echoed + result.text, "finish_reason": reason,
                                 "logprobs": logprobs})
         head = self._head("chat.completion" if self.chat else "text_completion")
         return {**head, "choices": choices, "usage": self.usage(results), "promptcache": self.extension(results)}
+
+    def calls_reason(self, result) -> str:
+        """The finish reason of an answer holding tool calls: ``tool_calls``, or ``length`` when
+        ``max_tokens`` cut a forced call (its last call's arguments are then unfinished)."""
+        return "length" if result.finish_reason == "length" and isinstance(self.parser, ForcedCallParser) \
+            else "tool_calls"
 
     def chunk(self, delta, finish_reason: str | None = None, records=None, index: int = 0) -> dict:
         """A stream chunk of choice ``index``: ``delta`` text (a dict for chat's first chunk), the
@@ -117,7 +123,7 @@ class Reply:
                 if rest:
                     chunks.append(self.chunk(rest, index=index))
                 chunks.append(self.chunk({"tool_calls": deltas}, index=index))
-                chunks.append(self.chunk(None, finish_reason="tool_calls", index=index))
+                chunks.append(self.chunk(None, finish_reason=self.calls_reason(result), index=index))
                 return chunks
         if rest:
             chunks.append(self.chunk(rest, index=index))

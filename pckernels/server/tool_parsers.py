@@ -94,6 +94,40 @@ class HermesParser(ToolParser):
         return len(text) - _partial_marker(text, self.OPEN)
 
 
+class ForcedCallParser(HermesParser):
+    """A forced call's answer (``tool_choice`` ``required`` or a named function): Hermes blocks, as
+    its grammar writes them, and — since that grammar ends no answer inside a block — an unfinished
+    last block means ``max_tokens`` cut it. That block is still a call, with the arguments written
+    so far (text that is not valid JSON), as OpenAI and vLLM return a cut forced call: clients see
+    the call and ``finish_reason`` ``length`` and report the bad arguments, where an answer without
+    calls passes for "no call" (LangChain's ``with_structured_output`` then returns None). The name
+    is the named function's, else the block's when it was written whole; a block cut before its
+    name stays content."""
+
+    NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+    ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*')
+
+    def __init__(self, function: str | None = None) -> None:
+        self.function = function
+        """The named function of ``tool_choice`` (None for ``required``)."""
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        content, calls = super().parse(text)
+        tail = (content or "") if calls else text
+        at = tail.find(self.OPEN)
+        if at < 0 or tail[:at].strip():
+            return content, calls
+        body = tail[at + len(self.OPEN):]
+        name = self.NAME.match(body)
+        if name is None and self.function is None:
+            return content, calls
+        arguments = ""
+        if name is not None:
+            rest = self.ARGUMENTS.match(body, name.end())
+            arguments = body[rest.end():].rstrip() if rest else ""
+        return None, calls + [_call(json.loads(name.group(1)) if name else self.function, arguments)]
+
+
 class MistralParser(ToolParser):
     """Content, then ``[TOOL_CALLS]`` and a JSON array of ``{"name", "arguments"}`` objects."""
 

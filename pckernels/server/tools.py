@@ -2,10 +2,11 @@
 
 The request's ``tools`` are rendered by the tokenizer's chat template (or, for a template that
 takes none, as a Hermes tools block in the system message: ``pckernels.prefix.prompts``). With
-``tool_choice`` ``"required"`` or a named function, decoding is constrained to one (or, with
-``parallel_tool_calls``, several) ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>``
-blocks whose arguments follow the function's JSON schema (a Lark grammar with embedded JSON
-schemas, llguidance's dialect). With ``"auto"`` the model decides, and the answer is parsed:
+``tool_choice`` ``"required"``, decoding is constrained to one or more (one when
+``parallel_tool_calls`` is false) ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>``
+blocks, with a named function to exactly one (OpenAI's and vLLM's meaning); their arguments
+follow the function's JSON schema (a Lark grammar with embedded JSON schemas, llguidance's
+dialect). With ``"auto"`` the model decides, and the answer is parsed:
 every well-formed block becomes an entry of ``message.tool_calls`` (``finish_reason``
 ``"tool_calls"``), the text around them the message's content. Earlier calls and their results
 (``tool`` messages) go back to the template on the next turn.
@@ -53,7 +54,8 @@ def check_tools(tools: list[dict] | None, choice: Any) -> list[dict] | None:
 
 
 def forced(tools: list[dict], choice: Any, parallel: bool | None) -> str | None:
-    """The Lark grammar an answer must follow for ``choice`` (``required`` or a named function),
+    """The Lark grammar an answer must follow for ``choice`` (``required``: one or more calls, one
+    when ``parallel`` is false; a named function: exactly one call, as OpenAI and vLLM force it),
     None when the model may answer freely."""
     if choice == "required":
         chosen = [t["function"] for t in tools]
@@ -66,7 +68,9 @@ def forced(tools: list[dict], choice: Any, parallel: bool | None) -> str | None:
                 "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     schema["x-guidance"] = JSON_LAYOUT
-    repeat = "+" if parallel is not False else ""
+    # a named choice is one call whatever parallel_tool_calls says: a model that repeats the call
+    # until max_tokens would end in finish_reason "length" (instructor then raises)
+    repeat = "+" if choice == "required" and parallel is not False else ""
     return f'start: call{repeat}\ncall: "<tool_call>\\n" %json{json.dumps(schema)} "\\n</tool_call>" "\\n"?\n'
 
 
