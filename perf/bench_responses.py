@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--prefix-block", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=Path("perf/results/responses"))
+    ap.add_argument("--out", type=Path, default=Path("perf/results/cpu-2c/responses"))
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
