@@ -261,3 +261,13 @@ def test_a_decode_step_skips_an_all_zero_bias_bitwise(tokenizer, monkeypatch):  
     for a, b in zip(skipped, added):
         assert torch.isfinite(a).all() and torch.equal(a, b)
     assert torch.equal(skipped_kv, added_kv)
+
+
+def test_per_row_and_measured_leave_other_dtypes_linear(tokenizer, monkeypatch):  # noqa: F811
+    """The plans were measured in fp32: a bf16 model runs ``per-row`` / ``measured`` as ``linear``."""
+    model = BY_NAME["llama"].build(len(tokenizer), dtype=torch.bfloat16)
+    decoder = NativeDecoder(model, [None] * model.config.num_hidden_layers)
+    for path in ("per-row", "measured"):
+        decoder.set_cpu_path(path, measure=lambda d: pytest.fail("timed a bf16 model"))
+        assert decoder.cpu_path == path and decoder.extra_bytes() == 0
+        assert all(plan == PATH_PLANS["linear"][0] for plan in decoder.plans().values())

@@ -390,10 +390,13 @@ class NativeDecoder:
     def set_cpu_path(self, path: str, measure=None) -> None:
         """Run fp32 projections on ``path`` (one of :data:`CPU_PATHS`; module docstring). ``measured``
         times the kernels here (:func:`measure_plans`, once per process and set of shapes; ``measure``
-        replaces it, for tests)."""
+        replaces it, for tests). A model in another dtype runs ``per-row`` and ``measured`` as
+        ``linear`` (they were measured in fp32)."""
         if path not in CPU_PATHS:
             raise ValueError(f"cpu_path must be one of {CPU_PATHS}, got {path!r}")
-        if path == "measured":
+        if path in ("per-row", "measured") and self.embed.dtype != torch.float32:
+            plans = {kind: PATH_PLANS["linear"][0] for kind in self.kinds()}  # measured on fp32 only
+        elif path == "measured":
             self.set_plans({kind: PATH_PLANS["linear"][0] for kind in self.kinds()})
             plans = (measure or measure_plans)(self)
         else:
