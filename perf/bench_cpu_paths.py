@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--no-forward", action="store_true", help="skip the forward-alone rounds")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the process's CPU time (one thread on a busy machine; cold prefill stays wall)")
     ap.add_argument("--out", type=Path)
@@ -188,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "loaded_path": loaded_path, "paths": args.paths,
               "command": "python -m perf.bench_cpu_paths " + " ".join(sys.argv[1:] if argv is None else argv)}
     result["clock"] = args.clock
-    result["forward"] = forward_rounds(decoder, args.paths, args.context, args.repeats,
-                                       clock=time.process_time if args.clock == "cpu" else time.perf_counter)
+    if not args.no_forward:
+        result["forward"] = forward_rounds(decoder, args.paths, args.context, args.repeats,
+                                           clock=time.process_time if args.clock == "cpu" else time.perf_counter)
     if not args.no_engine:
         result["engine"], result["tokens"] = engine_rounds(engine, args.paths, args.context, args.repeats,
                                                            args.cold_repeats, args.decode_tokens,
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
              f"Load average (1 min) at start / end {load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores"
              + (" — the machine was busy: compare the paths, not the absolute figures." if busy else "."),
              "", f"Command: `{result['command']}`", "",
-             f"## The native forward alone, {args.context} cached rows", "", *table(result["forward"], args.paths)]
+             *([f"## The native forward alone, {args.context} cached rows", "", *table(result["forward"], args.paths)]
+               if "forward" in result else [])]
     if "engine" in result:
         same = {name: len({json.dumps(v) for per in by_path.values() for v in per}) == 1
                 for name, by_path in result["tokens"].items()}
