@@ -1,10 +1,12 @@
 """The CPU forward as each checkout loads it, before/after, one process per tree, rounds interleaved.
 
     python -m perf.bench_forward_trees --tree /work/wt/amd-base --tree . [--rounds 5] [--context 4096]
-                                       [--threads 2] [--clock wall|cpu] [--engine] [--out DIR]
+                                       [--threads 2] [--clock wall|cpu] [--engine] [--setup-threads 1]
+                                       [--max-seconds 270] [--out DIR]
 
 A process per tree, with that tree first on ``PYTHONPATH``, loads the embedded model (fp32) with the
-tree's default CPU path on ``--threads`` threads and sets up once (one process at a time); then
+tree's default CPU path and sets up once on ``--setup-threads`` (one process at a time); then, on
+``--threads`` threads,
 each round asks every process in turn (the order alternating) for
 
 * **forward**: the native forward alone over a probe cache (as :mod:`perf.profile_cpu`): a decode
@@ -38,7 +40,7 @@ log = logging.getLogger("perf.bench_forward_trees")
 CHILD = r'''
 import json, statistics, sys, time, torch
 context, threads, clock, engine_on = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
-torch.set_num_threads(threads)
+torch.set_num_threads(int(sys.argv[5]))  # the set-up's threads
 tick = time.process_time if clock == "cpu" else time.perf_counter
 from pckernels.engine import PromptCache
 from perf.profile_cpu import probe
@@ -57,6 +59,7 @@ if engine_on:
     ids = [list(engine.resolve(p).token_ids) for p in prompts]
     engine.complete(ids[0], max_new_tokens=1)  # the document's rows in the prefix cache
     engine.generate(prompts[0], max_new_tokens=1)
+torch.set_num_threads(threads)
 print(json.dumps({"ready": d.cpu_path}), flush=True)
 for n, line in enumerate(sys.stdin):
     if line.strip() != "go":
@@ -83,10 +86,20 @@ FORWARD = ("decode step ms", "prefill 10 ms", "8 rows over 512 ms")
 ENGINE = ("decode tok/s", "hit module ms", "hit plain, token resume ms")
 
 
+def cpu_seconds(pids: list[int]) -> tuple[float, float]:
+    """``(busy CPU seconds of the whole machine, CPU seconds of pids)`` since boot (Linux ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    busy = sum(fields) - fields[3] - fields[4]  # less idle and iowait
+    ours = sum(sum(int(x) for x in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13])
+               for pid in pids)
+    return busy / tick, ours / tick
+
+
 def start_child(tree: str, args: argparse.Namespace) -> subprocess.Popen:
     """A process on ``tree`` that has loaded the model and cached the document (it waits for rounds)."""
     env = {**os.environ, "PYTHONPATH": tree}
-    argv = [str(args.context), str(args.threads), args.clock, "1" if args.engine else "0"]
+    argv = [str(args.context), str(args.threads), args.clock, "1" if args.engine else "0", str(args.setup_threads)]
     child = subprocess.Popen([sys.executable, "-c", CHILD, *argv], env=env, cwd=tree, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     reply(child, tree)
@@ -133,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
     ap.add_argument("--engine", action="store_true", help="also the engine rows (wall time)")
+    ap.add_argument("--setup-threads", type=int, default=1,
+                    help="threads for loading and caching the document (a busy machine: one is faster)")
+    ap.add_argument("--max-seconds", type=float, default=270,
+                    help="start no round that would end past this (a perf run stays under 5 minutes)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -149,29 +166,38 @@ def main(argv: list[str] | None = None) -> int:
             children[tree] = start_child(tree, args)
             log.info("%s ready after %.0f s", tree, time.time() - started)
         rounds_started = time.time()
+        pids = [child.pid for child in children.values()]
+        cpu_start = cpu_seconds(pids)
         results: dict[str, list[dict]] = {t: [] for t in trees}
         for r in range(args.rounds):
+            if r and time.time() - started + (time.time() - rounds_started) / r > args.max_seconds:
+                log.warning("stopping after %d rounds: the next would pass --max-seconds %d", r, args.max_seconds)
+                break
             for tree in trees if r % 2 == 0 else trees[::-1]:
                 results[tree].append(run_round(children[tree], tree))
                 log.info("round %d %s: %s", r, tree,
                          json.dumps({k: v for k, v in results[tree][-1].items() if k != "decoded"}))
+        cpu_end = cpu_seconds(pids)
     finally:
         for child in children.values():
             child.stdin.close()
             child.wait(timeout=60)
     load.append(os.getloadavg()[0])
+    elapsed = time.time() - rounds_started
+    others = (cpu_end[0] - cpu_start[0] - (cpu_end[1] - cpu_start[1])) / elapsed  # cores' worth, other jobs
     metrics = list(FORWARD) + (list(ENGINE) if args.engine else [])
     command = "python -m perf.bench_forward_trees " + " ".join(sys.argv[1:] if argv is None else argv)
     isa = cpu_isa()
     busy = max(load) > (os.cpu_count() or 1) + 0.5
     lines = [f"# The CPU forward before/after — {machine_name()}", "",
-             f"{args.threads} threads, {cpu_model()} ({isa['summary']}). {args.rounds} rounds, one process per "
+             f"{args.threads} threads, {cpu_model()} ({isa['summary']}). {len(results[trees[0]])} rounds, one process per "
              f"tree (order alternating per round), medians; forward in "
              f"{'CPU time of the process' if args.clock == 'cpu' else 'wall time'}"
              + (", engine rows in wall time" if args.engine else "")
              + f". Load average (1 min) at start / end {load[0]:.2f} / {load[1]:.2f} on {os.cpu_count()} cores"
              + (" (busy: compare the trees, not the absolute figures)" if busy else "")
-             + f"; set-up {rounds_started - started:.0f} s, rounds {time.time() - rounds_started:.0f} s.", "",
+             + f"; other jobs used {others:.2f} cores on average during the rounds"
+             + f"; set-up {rounds_started - started:.0f} s, rounds {elapsed:.0f} s.", "",
              f"Command: `{command}`", "",
              "Trees: " + ", ".join(f"`{t}` at {commits[t]}" for t in trees), "",
              *summarize(trees, results, metrics)]
@@ -183,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "trees.json").write_text(json.dumps({"command": command, "commits": commits, "isa": isa,
                                                          "threads": args.threads, "clock": args.clock,
-                                                         "load_average": load, "results": results}, indent=1))
+                                                         "load_average": load, "other_jobs_cores": others,
+                                                         "results": results}, indent=1))
         (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     return 0
 
