@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "loaded_path": loaded_path, "paths": args.paths,
               "command": "python -m perf.bench_cpu_paths " + " ".join(sys.argv[1:] if argv is None else argv)}
     result["clock"] = args.clock
+    from perf.bench_forward_trees import cpu_seconds
+
+    cpu_start, t_start = cpu_seconds([os.getpid()]), time.time()
     if not args.no_forward:
         result["forward"] = forward_rounds(decoder, args.paths, args.context, args.repeats,
                                            clock=time.process_time if args.clock == "cpu" else time.perf_counter)
@@ -202,14 +205,17 @@ def main(argv: list[str] | None = None) -> int:
         result["plans"][path] = {"plans": decoder.plans(), "extra_mb": round(decoder.extra_bytes() / 1e6, 1)}
     decoder.set_cpu_path(loaded_path)
     load.append(os.getloadavg()[0])
-    result["load_average"] = load
+    cpu_end = cpu_seconds([os.getpid()])
+    others = (cpu_end[0] - cpu_start[0] - (cpu_end[1] - cpu_start[1])) / (time.time() - t_start)
+    result["load_average"], result["other_jobs_cores"] = load, others
     busy = max(load) > (os.cpu_count() or 1) + 0.5
     lines = [f"# The native forward's CPU paths — {machine}", "",
              f"{args.threads} threads, {result['cpu']} ({result['isa']['summary']}), torch {torch.__version__}; "
              f"a load here picks `{loaded_path}`. {args.repeats} interleaved rounds, median (min–max), "
              f"{'CPU time of the process (cold prefill: wall)' if args.clock == 'cpu' else 'wall time'}. "
              f"Load average (1 min) at start / end {load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores"
-             + (" — the machine was busy: compare the paths, not the absolute figures." if busy else "."),
+             + (" — the machine was busy: compare the paths, not the absolute figures" if busy else "")
+             + f"; other jobs used {others:.2f} cores on average while it measured.",
              "", f"Command: `{result['command']}`", "",
              *([f"## The native forward alone, {args.context} cached rows", "", *table(result["forward"], args.paths)]
                if "forward" in result else [])]
