@@ -129,10 +129,11 @@ def default_cpu_path() -> str:
     """The fp32 projection path for this host: ``$PROMPTCACHE_CPU_PATH`` when set (``auto``: the
     rule), else by torch's CPU capability: ``"per-row"`` where it is ``AVX2`` (no AVX-512: the LM
     head's one-row GEMV on a transposed copy measured 1.7x faster at one thread and 2.7x at two on
-    the AVX2 EPYC, every other product as ``linear``), ``"linear"`` elsewhere (unmeasured there).
-    ``"transposed"`` everywhere decodes one stream ~10% faster but 8 streams ~25% slower on the
-    EPYC (its ``mm`` over 8 rows against oneDNN's inner product), so it stays opt-in, as does
-    ``"measured"`` (a plan timed at load)."""
+    the AVX2 EPYC, every other product as ``linear``; decode 1.08x of ``linear`` on two quiet
+    threads there), ``"linear"`` elsewhere (unmeasured there). ``"transposed"`` everywhere decodes
+    one stream faster still (1.16x of ``linear``) but 8 rows ~18% slower and 8 streams ~25% slower
+    on the EPYC (its ``mm`` over 8 rows against oneDNN's inner product), so it stays opt-in, as
+    does ``"measured"`` (a plan timed at load)."""
     forced = os.environ.get(CPU_PATH_ENV, "").strip()
     if forced and forced != "auto":
         if forced not in CPU_PATHS:
