@@ -14,15 +14,20 @@ math from the model's own weights in about twenty ops per layer:
   the buffer by KV group (no copies per query head): two batched matmuls per layer for the few
   query rows of decode and short forwards (the mask added in place: ``baddbmm`` with a broadcast
   mask costs a decode step 40% more attention), SDPA in query chunks for long prefills;
-* logits only for the rows asked for.
+* logits only for the rows asked for; a decode step whose row sees every cached row skips adding
+  its (all-zero) bias.
 
-The fp32 projections have two CPU paths (:data:`CPU_PATHS`), chosen once at load by
-:func:`default_cpu_path` (``"linear"`` unless ``$PROMPTCACHE_CPU_PATH`` says otherwise) and logged: ``"linear"`` keeps each weight ``[out, in]`` as the model has
-it (``F.linear``: MKL, oneDNN's inner product for 4-48 rows); ``"transposed"`` stores it ``[in, out]``
-contiguous and multiplies ``x @ W^T`` as ``mm(x, W^T)``, which MKL runs as a streaming GEMV on an
-AVX2-only CPU (the 49,152 x 576 LM head 1.7x faster, the layers' projections 1.25x at one row on an
-AMD EPYC; ``docs/cpu-isa.md``). The HF modules' weights become views of the transposed
-tensors, so only a tied LM head costs a copy. Each path is deterministic; they agree to rounding.
+The fp32 projections run on a *plan* per projection kind: a kernel per row-count class
+(:data:`ROW_CLASSES`: one to three rows, 4-48, more; :data:`KERNELS`: ``F.linear`` or oneDNN's
+inner product over the weight ``[out, in]``, or ``mm(x, W^T)`` over an ``[in, out]`` copy, which MKL
+runs as a streaming GEMV on an AVX2-only CPU). A CPU path (:data:`CPU_PATHS`) names the plans,
+chosen once at load by :func:`default_cpu_path` and logged with the plans and the memory they cost:
+``"linear"`` (weights as the model has them; oneDNN for 4-48 rows), ``"per-row"`` (the AVX2
+default: ``linear``, but the LM head's one-to-three-row GEMV on a transposed copy, ``vocab x hidden``
+floats more), ``"transposed"`` (every weight ``[in, out]``, ``mm`` everywhere; the HF modules' weights
+become views of it) and ``"measured"`` (each kind's plan timed at load, :func:`measure_plans`). A
+weight is kept in one layout except the LM head's, so only the head ever costs a copy
+(``docs/cpu-isa.md``). Each plan is deterministic; they agree to rounding.
 
 ``matmul="bf16"`` (never the default) runs every projection and the LM head as oneDNN bf16 matmuls
 over weights packed once (AMX / AVX512-BF16 where the CPU has them), activations rounded to bf16
@@ -38,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -71,16 +77,44 @@ GEMM (``F.linear``): on the embedded model oneDNN is 15-35% faster for 4-48 rows
 (``perf/results/cpu-x86_64-1t/linear``), within a few percent either way on two except 8 rows
 (19% faster) and 48 (8% slower; ``perf/results/cpu-2c/linear``), and slower for one row."""
 
-CPU_PATHS = ("linear", "transposed")
-"""fp32 projection paths (module docstring); ``$PROMPTCACHE_CPU_PATH`` forces one."""
+CPU_PATHS = ("linear", "transposed", "per-row", "measured")
+"""fp32 projection paths (module docstring, :data:`PATH_PLANS`); ``$PROMPTCACHE_CPU_PATH`` forces one."""
 
 CPU_PATH_ENV = "PROMPTCACHE_CPU_PATH"
 
 SELF_CHECK_TOL = 1e-3
 """Largest |native - HF| of fp32 logits (relative to their spread) the self-check accepts."""
 
+ROW_CLASSES = ("one", "few", "many")
+"""Row-count classes a projection's kernel is chosen per: ``one`` fewer than ``ONEDNN_ROWS[0]``
+(decode of one to three streams), ``few`` within :data:`ONEDNN_ROWS` (more streams, short
+prefills), ``many`` beyond (prefills)."""
+
+KERNELS = ("linear", "onednn", "mm_t")
+"""``linear``: ``F.linear`` over the weight ``[out, in]`` (MKL); ``onednn``: oneDNN's inner product
+over it (fp32, contiguous weight); ``mm_t``: ``mm(x, W^T)`` over a contiguous ``[in, out]`` copy
+(MKL's streaming GEMV for one row on an AVX2-only CPU)."""
+
+PATH_PLANS = {
+    "linear": ({"one": "linear", "few": "onednn", "many": "linear"},) * 2,
+    "transposed": ({"one": "mm_t", "few": "mm_t", "many": "mm_t"},) * 2,
+    "per-row": ({"one": "linear", "few": "onednn", "many": "linear"},
+                {"one": "mm_t", "few": "onednn", "many": "linear"}),
+}
+"""``path: (layers' plan, LM head's plan)``, a plan mapping each :data:`ROW_CLASSES` to a
+:data:`KERNELS`. ``per-row`` keeps the layers as ``linear`` and gives the LM head a transposed copy
+for one to three rows only (its 1.7-2.7x GEMV on the AVX2 EPYC; ``docs/cpu-isa.md``), costing
+``vocab x hidden`` floats; ``measured`` is chosen per projection kind at load
+(:func:`measure_plans`)."""
+
 
 _ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def row_class(rows: int) -> str:
+    """The :data:`ROW_CLASSES` entry of a product over ``rows`` rows."""
+    lo, hi = ONEDNN_ROWS
+    return "one" if rows < lo else ("few" if rows <= hi else "many")
 
 
 def bf16_matmul_supported() -> bool:
@@ -92,25 +126,29 @@ def bf16_matmul_supported() -> bool:
 
 
 def default_cpu_path() -> str:
-    """The fp32 projection path for this host: ``$PROMPTCACHE_CPU_PATH`` when set, else
-    ``"linear"`` on every host. ``"transposed"`` is opt-in: on the AVX2-only EPYC it decodes one
-    stream ~10% faster but 8 streams ~25% slower (its ``mm`` over 8 rows against oneDNN's inner
-    product; ``python -m perf.bench_loop --decode-streams 1 8``, quiet machine: 87 vs 66 tok/s), and
-    serving many streams is what the engine is for."""
+    """The fp32 projection path for this host: ``$PROMPTCACHE_CPU_PATH`` when set (``auto``: the
+    rule), else by torch's CPU capability: ``"per-row"`` where it is ``AVX2`` (no AVX-512: the LM
+    head's one-row GEMV on a transposed copy measured 1.7x faster at one thread and 2.7x at two on
+    the AVX2 EPYC, every other product as ``linear``; decode 1.08x of ``linear`` on two quiet
+    threads there), ``"linear"`` elsewhere (unmeasured there). ``"transposed"`` everywhere decodes
+    one stream faster still (1.16x of ``linear``) but 8 rows ~18% slower and 8 streams ~25% slower
+    on the EPYC (its ``mm`` over 8 rows against oneDNN's inner product), so it stays opt-in, as
+    does ``"measured"`` (a plan timed at load)."""
     forced = os.environ.get(CPU_PATH_ENV, "").strip()
     if forced and forced != "auto":
         if forced not in CPU_PATHS:
             raise ValueError(f"${CPU_PATH_ENV} must be one of {('auto', *CPU_PATHS)}, got {forced!r}")
         return forced
-    return "linear"
+    return "per-row" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "linear"
 
 
 class _Projection:
     """``x [n, in] -> [n, out]`` with the weight ``[out, in]`` (and bias) of one or more fused linears.
 
     ``views``: ``(module, start, stop)`` of the ``nn.Linear`` modules whose weights are rows
-    ``start:stop`` of ``weight``; they follow the weight when :meth:`set_layout` moves it. Without
-    them (a head tied to the embeddings) the transposed layout is a copy."""
+    ``start:stop`` of ``weight``; they follow the weight when :meth:`set_plan` moves it to an
+    ``[in, out]`` layout. Without them (a head tied to the embeddings) the transposed layout is a
+    copy. ``plan``: the :data:`KERNELS` entry per :data:`ROW_CLASSES`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  views: list[tuple[torch.nn.Module, int, int]] | None = None) -> None:
@@ -118,26 +156,47 @@ class _Projection:
         self.bias = bias
         self.views = views
         self.weight_t: torch.Tensor | None = None
+        self.plan = dict(PATH_PLANS["linear"][0])
         self.packed = None
         self.bias16 = None
 
-    def set_layout(self, transposed: bool) -> None:
-        """Keep the fp32 weight ``[in, out]`` contiguous (``weight_t``; ``weight`` and the modules'
-        weights become views of it) or ``[out, in]`` as loaded."""
-        if transposed == (self.weight_t is not None):
+    @property
+    def layout(self) -> str:
+        """``out_in`` (as loaded), ``in_out`` (``weight`` a view of the contiguous ``weight_t``) or
+        ``both`` (``weight_t`` a copy beside the contiguous ``weight``)."""
+        if self.weight_t is None:
+            return "out_in"
+        return "both" if self.weight.is_contiguous() else "in_out"
+
+    def extra_bytes(self) -> int:
+        """Memory this projection holds beyond the model's own weights (a transposed copy)."""
+        return self.weight_t.numel() * self.weight_t.element_size() if self.layout == "both" else 0
+
+    def set_plan(self, plan: dict[str, str]) -> None:
+        """Run each row class on ``plan``'s kernel and keep the weight in the layouts it needs: only
+        ``mm_t`` -> ``[in, out]`` contiguous (the modules' weights become views of it; a tied head
+        keeps a copy), ``mm_t`` and another -> a transposed copy beside ``[out, in]``, no ``mm_t``
+        -> ``[out, in]`` contiguous as loaded."""
+        if set(plan) != set(ROW_CLASSES) or not set(plan.values()) <= set(KERNELS):
+            raise ValueError(f"a plan maps each of {ROW_CLASSES} to one of {KERNELS}, got {plan!r}")
+        kernels = set(plan.values())
+        want = "out_in" if "mm_t" not in kernels else ("in_out" if kernels == {"mm_t"} else "both")
+        if want == "in_out" and self.views is None:
+            want = "both"
+        self.plan = dict(plan)
+        if want == self.layout:
             return
-        if transposed:
+        if want != "out_in" and self.weight_t is None:
             self.weight_t = self.weight.detach().t().contiguous()
-            if self.views is None:
-                return
-            self.weight = self.weight_t.t()
-        else:
+        if want == "out_in":
             self.weight_t = None
-            if self.views is None:
-                return
+        if want == "in_out":
+            self.weight = self.weight_t.t()
+        elif not self.weight.is_contiguous():
             self.weight = self.weight.contiguous()
-        for module, start, stop in self.views:
-            module.weight.data = self.weight[start:stop]
+        if self.views is not None:
+            for module, start, stop in self.views:
+                module.weight.data = self.weight[start:stop]
 
     def set_matmul(self, matmul: str) -> None:
         """``"bf16"``: pack a bf16 copy of the weight for oneDNN; ``"fp32"``: drop it."""
@@ -147,18 +206,23 @@ class _Projection:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w16, 1)
             self.bias16 = None if self.bias is None else self.bias.detach().to(torch.bfloat16)
 
+    def run(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        """``x`` through ``kernel`` (one of :data:`KERNELS`) in fp32; one the layout lacks, or
+        oneDNN for another dtype or where it is absent, falls back to ``F.linear``."""
+        if kernel == "mm_t" and self.weight_t is not None and x.dtype == self.weight_t.dtype:
+            if self.bias is None:
+                return torch.mm(x, self.weight_t)
+            return torch.addmm(self.bias, x, self.weight_t)
+        if (kernel == "onednn" and _ONEDNN and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and self.weight.is_contiguous()):
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, self.bias16, "none", [], "")
             return y.to(x.dtype)
-        if self.weight_t is not None and x.dtype == self.weight_t.dtype:
-            if self.bias is None:
-                return torch.mm(x, self.weight_t)
-            return torch.addmm(self.bias, x, self.weight_t)
-        lo, hi = ONEDNN_ROWS
-        if lo <= x.shape[0] <= hi and x.dtype == torch.float32 and _ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return self.run(x, self.plan[row_class(x.shape[0])])
 
 
 @dataclass
@@ -232,6 +296,13 @@ def _recognised(model) -> str | None:
     return None
 
 
+def _needs_bias(bias: torch.Tensor, n: int) -> bool:
+    """Whether the attention of ``n`` query rows must add ``bias``: a short forward (decode) that
+    sees every row has an all-zero bias, and adding it changes no score (``x + 0 == x``), so its
+    90-odd small adds per step are skipped; SDPA's chunks always take the mask."""
+    return n > SMALL_QUERY or bool(bias.any())
+
+
 class NativeDecoder:
     """The forward of a recognised decoder over a promptcache KV buffer (module docstring).
 
@@ -280,6 +351,25 @@ class NativeDecoder:
     def projections(self) -> list[_Projection]:
         return [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
+    def kinds(self) -> dict[str, list[_Projection]]:
+        """The projections by kind (one shape each): ``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``."""
+        out = {name: [getattr(layer, name) for layer in self.layers] for name in ("qkv", "o", "gate_up", "down")}
+        out["lm_head"] = [self.lm_head]
+        return out
+
+    def plans(self) -> dict[str, dict[str, str]]:
+        """Each kind's plan (the kernel per row class; the first projection of the kind)."""
+        return {kind: dict(projections[0].plan) for kind, projections in self.kinds().items() if projections}
+
+    def extra_bytes(self) -> int:
+        """Memory the projections hold beyond the model's weights (transposed copies)."""
+        return sum(p.extra_bytes() for p in self.projections())
+
+    def modules_as_loaded(self) -> bool:
+        """Whether the HF modules' weights are still ``[out, in]`` contiguous (their own forward then
+        rounds exactly as before the native forward was built)."""
+        return all(p.layout != "in_out" for p in self.projections())
+
     def set_matmul(self, matmul: str) -> None:
         """Run the projections as ``"fp32"`` (the model's dtype) or ``"bf16"`` matmuls."""
         if matmul not in MATMULS:
@@ -288,12 +378,32 @@ class NativeDecoder:
             projection.set_matmul(matmul)
         self.matmul = matmul
 
-    def set_cpu_path(self, path: str) -> None:
-        """Run fp32 projections on ``path`` (one of :data:`CPU_PATHS`; module docstring)."""
+    def set_plans(self, plans: dict[str, dict[str, str]]) -> None:
+        """Give each kind in ``plans`` (see :meth:`kinds`) its plan (:meth:`_Projection.set_plan`)."""
+        kinds = self.kinds()
+        unknown = set(plans) - set(kinds)
+        if unknown:
+            raise ValueError(f"unknown projection kinds {sorted(unknown)}; known: {sorted(kinds)}")
+        for kind, plan in plans.items():
+            for projection in kinds[kind]:
+                projection.set_plan(plan)
+
+    def set_cpu_path(self, path: str, measure=None) -> None:
+        """Run fp32 projections on ``path`` (one of :data:`CPU_PATHS`; module docstring). ``measured``
+        times the kernels here (:func:`measure_plans`, once per process and set of shapes; ``measure``
+        replaces it, for tests). A model in another dtype runs ``per-row`` and ``measured`` as
+        ``linear`` (they were measured in fp32)."""
         if path not in CPU_PATHS:
             raise ValueError(f"cpu_path must be one of {CPU_PATHS}, got {path!r}")
-        for projection in self.projections():
-            projection.set_layout(path == "transposed")
+        if path in ("per-row", "measured") and self.embed.dtype != torch.float32:
+            plans = {kind: PATH_PLANS["linear"][0] for kind in self.kinds()}  # measured on fp32 only
+        elif path == "measured":
+            self.set_plans({kind: PATH_PLANS["linear"][0] for kind in self.kinds()})
+            plans = (measure or measure_plans)(self)
+        else:
+            layers, head = PATH_PLANS[path]
+            plans = {kind: head if kind == "lm_head" else layers for kind in self.kinds()}
+        self.set_plans(plans)
         self.cpu_path = path
 
     @classmethod
@@ -327,8 +437,10 @@ class NativeDecoder:
             return None
         decoder.set_cpu_path(cpu_path)
         decoder.set_matmul(matmul)
-        log.info("%s runs promptcache's native forward: %s matmuls, CPU path %r (torch CPU capability %s)",
-                 type(model).__name__, matmul, cpu_path, torch.backends.cpu.get_cpu_capability())
+        log.info("%s runs promptcache's native forward: %s matmuls, CPU path %r (torch CPU capability %s, "
+                 "%d threads; plans %s; %.1f MB of transposed copies)", type(model).__name__, matmul, cpu_path,
+                 torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), decoder.plans(),
+                 decoder.extra_bytes() / 1e6)
         return decoder
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,6 +470,7 @@ class NativeDecoder:
         cos, sin = self._rope(positions, h.dtype)
         half = self.head_dim // 2
         biases: dict[int | None, torch.Tensor] = {}
+        masked: dict[int | None, bool] = {}
         extents: dict[int | None, list[int]] = {}
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(h, (self.hidden,), layer.norm_in, self.eps)
@@ -381,19 +494,21 @@ class NativeDecoder:
             bias = biases.get(layer.window)
             if bias is None:
                 bias = biases[layer.window] = windowed_bias(spec, layer.window).to(h.dtype)
-            out = self._attend(q, keys[:, :extent], values[:, :extent], bias, layer.scaling, extents, layer.window)
+                masked[layer.window] = _needs_bias(bias, n)
+            out = self._attend(q, keys[:, :extent], values[:, :extent], bias if masked[layer.window] else None,
+                               layer.scaling, extents, layer.window)
             h.add_(layer.o(out))
             x = F.rms_norm(h, (self.hidden,), layer.norm_post, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h.add_(layer.down(F.silu(gate) * up))
+            h.add_(layer.down(F.silu(gate).mul_(up)))
         if keep is not None:
             h = h.index_select(0, keep)
         return self.lm_head(F.rms_norm(h, (self.hidden,), self.norm, self.eps))
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
                 scaling: float, extents: dict, window) -> torch.Tensor:
         """``q [n, Hq, D]`` over ``keys, values [Hkv, extent, D]`` (buffer views) with the additive
-        ``bias [n, extent]`` -> ``[n, Hq * D]``."""
+        ``bias [n, extent]`` (None: all zero; only for ``n <= SMALL_QUERY``) -> ``[n, Hq * D]``."""
         n = q.shape[0]
         groups = self.q_heads // self.kv_heads
         if n <= SMALL_QUERY:
@@ -404,7 +519,8 @@ class NativeDecoder:
                                    for h in range(self.kv_heads)])
             else:
                 scores = torch.bmm(qg, keys.transpose(1, 2))
-                scores.view(self.kv_heads, groups, n, -1).add_(bias)
+                if bias is not None:
+                    scores.view(self.kv_heads, groups, n, -1).add_(bias)
                 out = torch.bmm(torch.softmax(scores, dim=-1).to(values.dtype), values)
             return out.view(self.kv_heads, groups, n, self.head_dim).permute(2, 0, 1, 3).reshape(n, self.q_size)
         query = q.transpose(0, 1)[None]
@@ -420,12 +536,107 @@ class NativeDecoder:
         return torch.cat(pieces, dim=1)[0].reshape(n, self.q_size)
 
     @staticmethod
-    def _attend_head(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, groups: int,
+    def _attend_head(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, groups: int,
                      n: int) -> torch.Tensor:
         """One KV head: ``q [groups * n, D]`` (scaled) over ``keys, values [extent, D]`` -> ``[groups * n, D]``."""
         scores = torch.mm(q, keys.t())
-        scores.view(groups, n, -1).add_(bias)
+        if bias is not None:
+            scores.view(groups, n, -1).add_(bias)
         return torch.mm(torch.softmax(scores, dim=-1).to(values.dtype), values)
+
+
+MEASURE_MARGIN = 0.05
+"""How much faster (fraction) ``mm_t`` must measure than the kernels over ``[out, in]`` before
+:func:`measure_plans` moves a weight or pays for a copy (so that noise keeps the loaded layout)."""
+
+MEASURE_ROWS = {"one": 1, "few": 8}
+"""Rows a row class is timed at by :func:`measure_plans` (``many`` is not timed: ``linear``)."""
+
+_MEASURED: dict[tuple, dict[str, dict[str, str]]] = {}
+"""Plans :func:`measure_plans` chose in this process, by threads, capability and shapes: filled at
+load only, so every decoder of a process over the same shapes runs (and rounds) alike."""
+
+
+def _time_kernels(projections: list[_Projection], rows: int, kernels: list[str], reps: int,
+                  timer) -> dict[str, float]:
+    """Fastest of ``reps`` interleaved rounds (s) of ``rows`` rows through every projection of a
+    kind (all layers, so the weights stream from memory as in a forward) per kernel."""
+    weights = [p.weight.detach() if p.weight.is_contiguous() else p.weight.detach().contiguous() for p in projections]
+    transposed = [w.t().contiguous() for w in weights] if "mm_t" in kernels else []
+    x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(weights[0].dtype)
+    biases = [None if p.bias is None else p.bias.detach() for p in projections]
+
+    def one(kernel: str) -> None:
+        for index, w in enumerate(weights):
+            if kernel == "mm_t":
+                t, b = transposed[index], biases[index]
+                torch.mm(x, t) if b is None else torch.addmm(b, x, t)
+            elif kernel == "onednn":
+                torch.ops.mkldnn._linear_pointwise(x, w, biases[index], "none", [], "")
+            else:
+                F.linear(x, w, biases[index])
+
+    best = {kernel: math.inf for kernel in kernels}
+    with torch.inference_mode():
+        for kernel in kernels:
+            one(kernel)
+        for rep in range(reps):
+            for kernel in kernels[rep % len(kernels):] + kernels[:rep % len(kernels)]:
+                start = timer()
+                one(kernel)
+                best[kernel] = min(best[kernel], timer() - start)
+    return best
+
+
+def choose_plan(times: dict[str, dict[str, float]], head: bool) -> dict[str, str]:
+    """A kind's plan from ``times[row_class][kernel]`` (s, the classes of :data:`MEASURE_ROWS`).
+
+    Layers (``head=False``) take one layout: ``[in, out]`` (every class on ``mm_t``) when the
+    geometric mean over the classes of ``mm_t``'s time over the best ``[out, in]`` kernel's is
+    below ``1 - MEASURE_MARGIN``, else each class its fastest ``[out, in]`` kernel. The LM head
+    (``head=True``) may keep both layouts (a copy): each class takes ``mm_t`` where it beats the
+    best other kernel by the margin, else that kernel; ``many`` stays ``linear``."""
+    plan = {}
+    ratios = []
+    for cls, per in times.items():
+        others = {k: v for k, v in per.items() if k != "mm_t"}
+        fastest = min(others, key=others.get)
+        plan[cls] = fastest
+        if "mm_t" in per:
+            ratio = per["mm_t"] / max(others[fastest], 1e-12)
+            ratios.append(ratio)
+            if head and ratio < 1 - MEASURE_MARGIN:
+                plan[cls] = "mm_t"
+    if not head and ratios and math.prod(ratios) ** (1 / len(ratios)) < 1 - MEASURE_MARGIN:
+        return {cls: "mm_t" for cls in ROW_CLASSES}
+    plan["many"] = "linear"
+    for cls in ROW_CLASSES:
+        plan.setdefault(cls, "linear")
+    return plan
+
+
+def measure_plans(decoder: "NativeDecoder", reps: int = 5, timer=time.perf_counter) -> dict[str, dict[str, str]]:
+    """Each projection kind's plan on this host, chosen by timing :data:`KERNELS` at
+    :data:`MEASURE_ROWS` on the current thread count (:func:`choose_plan`); the times and choices
+    are logged, and kept for the process (:data:`_MEASURED`). A fp32 weight only."""
+    kinds = decoder.kinds()
+    key = (torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(),
+           tuple((kind, tuple(ps[0].weight.shape), ps[0].weight.dtype, len(ps)) for kind, ps in kinds.items()))
+    if key in _MEASURED:
+        return _MEASURED[key]
+    kernels = ["linear", "onednn", "mm_t"] if _ONEDNN else ["linear", "mm_t"]
+    plans, report = {}, {}
+    for kind, projections in kinds.items():
+        if projections[0].weight.dtype != torch.float32:
+            plans[kind] = dict(PATH_PLANS["linear"][0])
+            continue
+        times = {cls: _time_kernels(projections, rows, kernels, reps, timer) for cls, rows in MEASURE_ROWS.items()}
+        plans[kind] = choose_plan(times, head=kind == "lm_head")
+        report[kind] = {cls: {k: round(v * 1e3, 3) for k, v in per.items()} for cls, per in times.items()}
+    log.info("measured CPU plans (%d threads, capability %s; ms per kind, fastest of %d): %s -> %s",
+             key[0], key[1], reps, report, plans)
+    _MEASURED[key] = plans
+    return plans
 
 
 class _ProbeBuffer:
