@@ -275,7 +275,7 @@ class Fleet:
 
         def launch(i: int) -> None:
             events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.ports[i][0]}",
-                      "replay_endpoint": f"tcp://*:{self.ports[i][1]}", "topic": f"kv@r{i}"}
+                      "replay_endpoint": f"tcp://*:{self.ports[i][1]}", "topic": ""}
             extra = ["--prefix-block", str(BLOCK), "--kv-events-config", json.dumps(events)]
             if self.redis is not None:
                 extra += ["--remote", self.redis.url]
@@ -314,12 +314,13 @@ class Fleet:
 
         port = free_port()
         cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
-               "--worker-urls", *self.urls[:self.routed], "--policy", policy, "--kv-event-block-size", str(BLOCK),
-               "--kv-event-model", "smollm2", "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-               "--log-level", "debug" if policy == "kv_aware" else "info"]
-        for url, (events, replay) in zip(self.urls[:self.routed], self.ports):
-            cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{events}",
-                    "--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{replay}"]
+               "--worker-urls", *self.urls[:self.routed], "--policy", policy, "--health-check-interval-secs", "1",
+               "--health-failure-threshold", "1", "--log-level", "debug" if policy == "kv_aware" else "info"]
+        if policy == "kv_aware":  # the router refuses event sources for any other policy
+            cmd += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", "smollm2"]
+            for url, (events, replay) in zip(self.urls[:self.routed], self.ports):
+                cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{events}",
+                        "--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{replay}"]
         env = {**os.environ, "VLLM_ROUTER_TOKENIZER": str(converted_dir())}
         self.router_log = self.log_dir / f"router-{policy}-{port}.log"
         log = open(self.router_log, "w")

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from perf.fleet import (Conversation, Fleet, Options, Record, compare, messages, recovery, router_binary, summary,
                         workload)
 from pckernels.server.metrics import ServerMetrics
+from pckernels.store.testing import server_binary
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "promptcache.json"
 SCRAPE_LABELS = {"instance", "job", "le"}
@@ -164,6 +165,7 @@ ROUTER = router_binary(os.environ.get("VLLM_ROUTER"))
 
 
 @pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (pip install vllm-router; docs/fleet.md)")
+@pytest.mark.skipif(server_binary() is None, reason="redis-server is not installed")
 def test_two_replicas_behind_the_router(tok, tmp_path):
     """round_robin spreads; kv_aware sends a conversation's next turn where its prefix is (the replica's
     events told it), the answers equal a direct request's; the dashboard's series are on a live scrape."""
@@ -174,7 +176,7 @@ def test_two_replicas_behind_the_router(tok, tmp_path):
     from perf.fleet import run
 
     convs = workload(tok, Options(tenants=1, docs_per_tenant=1, doc_tokens=64, chats=2, turns=2, tokens=4))
-    fleet = Fleet(2, remote=False, log_dir=tmp_path)
+    fleet = Fleet(2, remote=True, log_dir=tmp_path)  # as perf.fleet runs it: every section of /metrics
     try:
         direct, _ = asyncio.run(run(fleet.urls[0], "smollm2", convs, Options(concurrency=1, tokens=4), 300))
         check_dashboard(_exported(httpx.get(fleet.urls[0] + "/metrics", timeout=10).text))
