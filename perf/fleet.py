@@ -1,9 +1,11 @@
 """A fleet of ``promptcache serve`` replicas behind ``vllm-router``: routing policies compared.
 
-``python -m perf.fleet [--replicas 3] [--policies round_robin cache_aware kv_aware] [--quick] [--out DIR]``
+``python -m perf.fleet [--replicas 3] [--policies round_robin cache_aware kv_aware] [--quick] [--no-remote | --cluster]
+[--kill-target replica|master] [--out DIR]``
 
-Needs ``vllm-router`` (``pip install vllm-router``, a Rust binary in a wheel; ``--router`` names its
-executable, default: on ``PATH`` or ``/work/venvs/router/bin``) and ``redis-server``. Everything runs
+Needs ``vllm-router`` (``pip install -e ".[fleet]"`` or ``pip install vllm-router``, a Rust binary in a
+wheel; ``--router`` names its executable, default: beside this Python, on ``PATH`` or
+``/work/venvs/router/bin``) and ``redis-server``. Everything runs
 on loopback; see ``docs/fleet.md`` for the recipe by hand.
 
 One fleet is started — ``--replicas`` ``promptcache serve`` processes (one thread each, the
@@ -27,6 +29,11 @@ client (as an application would); reported are the failures (all must have been 
 killed replica: started before the kill), answers against the reference, and recovery — the time
 from the kill to the first request that started after it and succeeded, and whether every later
 request succeeded.
+
+``--cluster``: the shared tier is a 3-master Redis Cluster on loopback (``redis+cluster://`` URL;
+needs ``LocalRedisCluster``, the cluster support of ``pckernels.store``); with ``--kill-target
+master`` the kill run SIGKILLs one cluster master instead of a replica (its blocks become misses:
+no request may fail, no answer change).
 
 Writes ``fleet.json`` and ``README.md`` under ``--out``.
 """
@@ -243,8 +250,10 @@ async def run(url: str, model: str, convs: list[Conversation], opts: Options, li
 
 
 def router_binary(given: str | None) -> str | None:
-    """The ``vllm-router`` executable: ``given``, on ``PATH``, or in ``/work/venvs/router/bin``."""
-    for path in (given, shutil.which("vllm-router"), "/work/venvs/router/bin/vllm-router"):
+    """The ``vllm-router`` executable: ``given``, beside this Python (the ``fleet`` extra), on ``PATH``,
+    or in ``/work/venvs/router/bin``."""
+    beside = str(Path(sys.executable).with_name("vllm-router"))
+    for path in (given, beside, shutil.which("vllm-router"), "/work/venvs/router/bin/vllm-router"):
         if path and os.path.exists(path):
             return path
     return None
@@ -259,12 +268,20 @@ class Fleet:
     (the first ones; default all): the others are for direct requests (the reference)."""
 
     def __init__(self, n: int, remote: bool, log_dir: Path, keys: dict[str, str] | None = None,
-                 routed: int | None = None) -> None:
+                 routed: int | None = None, cluster: bool = False) -> None:
         from pckernels.store.testing import LocalRedis, free_port
 
         self.log_dir = log_dir
         self.routed = n if routed is None else routed
-        self.redis = LocalRedis().start() if remote else None
+        if remote and cluster:
+            try:
+                from pckernels.store.testing import LocalRedisCluster
+            except ImportError as exc:
+                raise RuntimeError("--cluster needs pckernels.store.testing.LocalRedisCluster "
+                                   "(the Redis Cluster support of the store)") from exc
+            self.redis = LocalRedisCluster(masters=3).start()
+        else:
+            self.redis = LocalRedis().start() if remote else None
         self.ports = [(free_port(), free_port()) for _ in range(n)]
         self.procs: list[subprocess.Popen] = [None] * n  # type: ignore[list-item]
         self.urls: list[str] = [""] * n
@@ -363,6 +380,10 @@ class Fleet:
     def kill(self, i: int) -> None:
         self.procs[i].send_signal(signal.SIGKILL)
 
+    def kill_master(self) -> None:
+        """SIGKILL the shared tier's first cluster master (its keys are lost; the others serve on)."""
+        self.redis.kill(0)
+
     def stop_router(self) -> None:
         if self.router is not None and self.router.poll() is None:
             self.router.send_signal(signal.SIGTERM)
@@ -405,10 +426,19 @@ def decisions(log: Path) -> dict:
 
 def measure(fleet: Fleet, url: str, convs: list[Conversation], opts: Options, limit_s: float, key: str,
             on_done=None) -> dict:
-    before = fleet.metric("promptcache_remote_bytes_total", "read")
+    """One workload run through ``url``; the replicas' Redis reads are deltas over the replicas still
+    alive at the end (a killed one's counters are gone)."""
+    counters = (("promptcache_remote_bytes_total", "read"), ("promptcache_store_hits_total", "remote"))
+    before = [[fleet.metric_of(i, *c) for c in counters] for i in range(len(fleet.urls))]
     records, wall = asyncio.run(run(url, "smollm2", convs, opts, limit_s, on_done, key))
     row = summary(records, wall)
-    row["remote_mib_read"] = (fleet.metric("promptcache_remote_bytes_total", "read") - before) / 2**20
+    alive = [i for i, p in enumerate(fleet.procs) if p.poll() is None]
+    after = {i: [fleet.metric_of(i, *c) for c in counters] for i in alive}
+    row["remote_mib_read"] = sum(after[i][0] - before[i][0] for i in alive) / 2**20
+    row["remote_blocks"] = sum(after[i][1] - before[i][1] for i in alive)
+    # prefix blocks are full BLOCK-token blocks: what the replicas held themselves, Redis reads taken out
+    row["local_hit_rate"] = (max(0.0, row["cached_tokens"] - BLOCK * row["remote_blocks"]) / row["prompt_tokens"]
+                             if row["prompt_tokens"] else 0.0)
     row["records"] = [asdict(r) for r in records]
     if fleet.router is not None:
         row["router_decisions"] = decisions(fleet.router_log)
@@ -421,11 +451,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=["kv_aware", "cache_aware", "round_robin"],
                     help="in this order on one fleet (kv_aware first: later runs' events would mislead it)")
     ap.add_argument("--quick", action="store_true", help="a few minutes: fewer, shorter conversations")
-    ap.add_argument("--chats", type=int, help="conversations (default: the size's)")
+    ap.add_argument("--tenants", type=int, help="tenants (default: the size's)")
+    ap.add_argument("--docs-per-tenant", type=int, help="documents per tenant")
+    ap.add_argument("--chats", type=int, help="conversations (spread over the documents round-robin)")
     ap.add_argument("--turns", type=int)
     ap.add_argument("--doc-tokens", type=int)
     ap.add_argument("--concurrency", type=int)
+    ap.add_argument("--tokens", type=int, help="new tokens per answer")
     ap.add_argument("--no-remote", action="store_true", help="private stores (no shared Redis)")
+    ap.add_argument("--cluster", action="store_true", help="the shared tier is a 3-master Redis Cluster")
+    ap.add_argument("--kill-target", choices=("replica", "master"), default="replica",
+                    help="what the kill run SIGKILLs: the last replica, or a cluster master (--cluster)")
     ap.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
                     help="the replica-death run (default on)")
     ap.add_argument("--kill-policy", choices=POLICIES, default="kv_aware")
@@ -434,12 +470,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=float, default=600.0, help="seconds one workload run may take")
     ap.add_argument("--out", type=Path, default=Path("perf/results/cpu-2c/fleet"))
     args = ap.parse_args(argv)
+    if args.cluster and args.no_remote:
+        ap.error("--cluster and --no-remote exclude each other")
+    if args.kill_target == "master" and not args.cluster:
+        ap.error("--kill-target master needs --cluster")
     binary = router_binary(args.router)
     if binary is None:
         print("vllm-router is not installed (pip install vllm-router); see docs/fleet.md", file=sys.stderr)
         return 2
     opts = Sizes().quick if args.quick else Sizes().full
-    for name in ("chats", "turns", "doc_tokens", "concurrency"):
+    for name in ("tenants", "docs_per_tenant", "chats", "turns", "doc_tokens", "concurrency", "tokens"):
         if getattr(args, name) is not None:
             setattr(opts, name, getattr(args, name))
 
@@ -450,12 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
     result: dict = {"argv": sys.argv[1:], "options": asdict(opts), "replicas": args.replicas,
-                    "remote": not args.no_remote, "router": _router_version(binary), "policies": {}}
+                    "remote": not args.no_remote, "cluster": args.cluster, "kill_target": args.kill_target,
+                    "router": _router_version(binary), "policies": {}}
     t_all = time.perf_counter()
     runs = ["reference", *args.policies] + (["kill"] if args.kill and args.replicas >= 2 else [])
     keys = {f"perf-fleet-{run}-key": f"run-{run}" for run in runs}
     # one fleet: the routed replicas plus one more for the reference, every run its own tenant
-    fleet = Fleet(args.replicas + 1, not args.no_remote, logs, keys, routed=args.replicas)
+    fleet = Fleet(args.replicas + 1, not args.no_remote, logs, keys, routed=args.replicas, cluster=args.cluster)
     try:
         row = measure(fleet, fleet.urls[-1], convs, opts, args.limit, "perf-fleet-reference-key")
         reference = {(r["conv"], r["turn"]): r["answer"] for r in row["records"] if r["ok"]}
@@ -479,16 +520,20 @@ def main(argv: list[str] | None = None) -> int:
             def on_done(records: list[Record]) -> None:
                 if not killed and sum(r.ok for r in records) >= args.kill_after * total:
                     killed["at"] = time.perf_counter()
-                    fleet.kill(victim)
+                    killed["answered"] = sum(r.ok for r in records)
+                    fleet.kill_master() if args.kill_target == "master" else fleet.kill(victim)
 
             url = fleet.start_router(binary, args.kill_policy)
             row = measure(fleet, url, convs, opts, args.limit, "perf-fleet-kill-key", on_done)
             records = [Record(**r) for r in row["records"]]
             row["answers"] = compare(reference, records)
             row["recovery"] = recovery(records, killed["at"]) if killed else None
+            row["killed_after_answers"] = killed.get("answered")
             row["policy"] = args.kill_policy
+            row["target"] = args.kill_target
             result["kill"] = row
-            _report(f"{args.kill_policy}, replica {victim} killed", row)
+            _report(f"{args.kill_policy}, {'a cluster master' if args.kill_target == 'master' else f'replica {victim}'}"
+                    " killed", row)
     finally:
         fleet.stop()
     result["wall_s"] = time.perf_counter() - t_all
@@ -523,45 +568,66 @@ def table(result: dict) -> str:
     lines = ["# promptcache replicas behind vllm-router", "",
              f"`python -m perf.fleet {' '.join(result['argv'])}` — {result['replicas']} `promptcache serve` replicas "
              f"(embedded SmolLM2-135M, fp32, one thread each, `--prefix-block {BLOCK}`, KV events on"
-             f"{', a shared Redis' if result['remote'] else ', private stores'}), router `{result['router']}`, "
+             f"{_shared(result)}), router `{result['router']}`, "
              f"{os.cpu_count()} CPUs visible (shared with other work: compare rows, not runs).", "",
              f"Workload: {opts['tenants']} tenants x {opts['docs_per_tenant']} documents of {opts['doc_tokens']} "
              f"tokens, {opts['chats']} conversations of {opts['turns']} turns ({opts['chats'] * opts['turns']} "
              f"requests), {opts['concurrency']} conversations at a time, {opts['tokens']} new tokens, greedy, "
-             "streamed. Hit rate: cached prompt tokens / prompt tokens (`usage`). Every policy on a fresh fleet.", "",
-             "| run | hit rate | TTFT p50 | TTFT p99 | req/s | failed | answers = single replica's | MiB from Redis "
-             "| credited |", "|---|---|---|---|---|---|---|---|---|"]
+             "streamed. Hit rate: cached prompt tokens / prompt tokens (`usage`; blocks read from Redis count "
+             f"as cached); local hit rate: the same less {BLOCK} tokens per block the replicas read from Redis "
+             "(`promptcache_store_hits_total{tier=\"remote\"}`). All runs on one fleet, each as its own "
+             "API-key tenant (its blocks its own on every replica and in Redis); the reference is one more "
+             "replica, not behind the router. kv_aware ran first (the router's index holds what later runs "
+             "stored). *Credited*: prompt tokens kv_aware's router counted as cached on the worker it chose "
+             "(its debug log).", "",
+             "| run | hit rate | local hit rate | TTFT p50 | TTFT p99 | req/s | failed | answers = single replica's "
+             "| MiB from Redis | credited |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows = [("single replica, no router", result.get("single"))]
     rows += [(p, r) for p, r in result.get("policies", {}).items()]
     if result.get("kill"):
-        rows.append((f"{result['kill']['policy']}, one replica killed", result["kill"]))
+        rows.append((f"{result['kill']['policy']}, {_victim(result['kill'])} killed", result["kill"]))
     for name, r in rows:
         if not r:
             continue
         same = r.get("answers")
         answers = f"{same['same']}/{same['compared']}" if same else "(reference)"
-        lines.append(f"| {name} | {r['hit_rate']:.1%} | {(r['ttft_p50_s'] or 0) * 1e3:.0f} ms | "
+        local = f"{r['local_hit_rate']:.1%}" if "local_hit_rate" in r else "–"
+        lines.append(f"| {name} | {r['hit_rate']:.1%} | {local} | {(r['ttft_p50_s'] or 0) * 1e3:.0f} ms | "
                      f"{(r['ttft_p99_s'] or 0) * 1e3:.0f} ms | {r['requests_per_s']:.2f} | {r['failed']} | {answers} | "
                      f"{r.get('remote_mib_read', 0):.1f} | {_credited(r)} |")
     pol = result.get("policies", {})
     if "kv_aware" in pol and "round_robin" in pol and pol["round_robin"]["hit_rate"]:
         kv, rr = pol["kv_aware"], pol["round_robin"]
-        lines += ["", f"kv_aware / round_robin hit rate: **{kv['hit_rate'] / rr['hit_rate']:.2f}x** (target >= 2x); "
+        local = (f", local hit rate **{kv['local_hit_rate'] / rr['local_hit_rate']:.2f}x**"
+                 if rr.get("local_hit_rate") else "")
+        lines += ["", f"kv_aware / round_robin hit rate: **{kv['hit_rate'] / rr['hit_rate']:.2f}x**{local} (target >= 2x); "
                   f"TTFT p99 {(kv['ttft_p99_s'] or 0) * 1e3:.0f} ms vs {(rr['ttft_p99_s'] or 0) * 1e3:.0f} ms "
                   f"(target: lower)."]
     kill = result.get("kill")
     if kill and kill.get("recovery"):
         rec = kill["recovery"]
         first = rec["first_ok_after_kill_s"]
-        lines += ["", "## One replica killed mid-run", "",
-                  f"`{kill['policy']}`; the last replica SIGKILLed after {result['options']['chats']} conversations' "
-                  f"first {kill['ok'] - rec['ok_after_kill']} answers. Failed requests: {rec['failed']} "
+        lines += ["", f"## {_victim(kill)[0].upper() + _victim(kill)[1:]} killed mid-run", "",
+                  f"`{kill['policy']}`; {_victim(kill, the=True)} SIGKILLed once {kill.get('killed_after_answers')} of the "
+                  f"{kill['requests'] - rec['failed']} answers were in. Failed requests: {rec['failed']} "
                   f"({rec['failed_in_flight']} in flight at the kill, {rec['failed_after_kill_started']} started "
                   f"after it); retried and answered: {rec['retried_ok']}. Requests started after the kill: "
                   f"{rec['ok_after_kill']}/{rec['started_after_kill']} answered; first answer after the kill "
                   f"{'%.2f s' % first if first is not None else 'never'} after it. Answers equal to the single "
                   f"replica's: {kill['answers']['same']}/{kill['answers']['compared']}."]
     return "\n".join(lines) + "\n"
+
+
+def _shared(result: dict) -> str:
+    if not result["remote"]:
+        return ", private stores"
+    return ", a shared 3-master Redis Cluster" if result.get("cluster") else ", a shared Redis"
+
+
+def _victim(kill: dict, the: bool = False) -> str:
+    if kill.get("target") == "master":
+        return "one Redis Cluster master (of 3)" if not the else "the first Redis Cluster master"
+    return "one replica" if not the else "the last replica"
 
 
 def _credited(row: dict) -> str:

@@ -2,9 +2,10 @@
 dashboard (every query names series ``/metrics`` exports), and — when ``vllm-router`` is installed —
 two replicas behind its ``round_robin`` and ``kv_aware`` policies end to end.
 
-CI does not install ``vllm-router`` (a 60 MB Rust wheel, not a project dependency): the end-to-end
-test skips there with the reason; ``pip install vllm-router`` (or ``VLLM_ROUTER=/path/to/vllm-router``)
-runs it.
+``vllm-router`` is the ``fleet`` extra (a 60 MB wheel with a Rust binary; ``install.sh`` leaves it out):
+without it the end-to-end test skips, saying why; ``pip install -e ".[fleet]"`` (or
+``VLLM_ROUTER=/path/to/vllm-router``) runs it. ``.ci/run`` installs the extra and sets
+``PROMPTCACHE_REQUIRE_ROUTER=1``: there a missing router fails the test instead of skipping it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -162,9 +164,11 @@ def test_dashboard_queries_only_exported_series():
 
 
 ROUTER = router_binary(os.environ.get("VLLM_ROUTER"))
+REQUIRE_ROUTER = bool(os.environ.get("PROMPTCACHE_REQUIRE_ROUTER"))
 
 
-@pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (pip install vllm-router; docs/fleet.md)")
+@pytest.mark.skipif(ROUTER is None and not REQUIRE_ROUTER,
+                    reason="vllm-router is not installed (pip install -e '.[fleet]'; docs/fleet.md)")
 @pytest.mark.skipif(server_binary() is None, reason="redis-server is not installed")
 def test_two_replicas_behind_the_router(tok, tmp_path):
     """round_robin spreads; kv_aware sends a conversation's next turn where its prefix is (the replica's
@@ -176,6 +180,7 @@ def test_two_replicas_behind_the_router(tok, tmp_path):
 
     from perf.fleet import run
 
+    assert ROUTER is not None, "PROMPTCACHE_REQUIRE_ROUTER is set but vllm-router is not installed"
     convs = workload(tok, Options(tenants=1, docs_per_tenant=1, doc_tokens=64, chats=2, turns=2, tokens=4))
     fleet = Fleet(2, remote=True, log_dir=tmp_path)  # as perf.fleet runs it: every section of /metrics
     try:
@@ -197,3 +202,69 @@ def test_two_replicas_behind_the_router(tok, tmp_path):
     # replica 0 holds both conversations' prefixes (the direct run): kv_aware sends every request there
     assert after[1] - before[1] == 0 and after[0] - before[0] == len(routed), (before, after)
     assert summary(routed, 1.0)["hit_rate"] > 0.5
+
+
+def test_readme_names_what_was_killed_and_the_local_hit_rates():
+    from perf.fleet import table
+
+    opts = asdict(Options())
+    row = {"hit_rate": 0.6, "local_hit_rate": 0.5, "ttft_p50_s": 0.1, "ttft_p99_s": 0.4, "requests_per_s": 1.0,
+           "failed": 0, "remote_mib_read": 1.0, "answers": {"same": 9, "compared": 9}}
+    rr = {**row, "hit_rate": 0.55, "local_hit_rate": 0.2, "ttft_p99_s": 0.8}
+    rec = {"failed": 0, "failed_in_flight": 0, "failed_after_kill_started": 0, "retried_ok": 0,
+           "started_after_kill": 4, "ok_after_kill": 4, "first_ok_after_kill_s": 0.5}
+    result = {"argv": ["--cluster"], "options": opts, "replicas": 3, "remote": True, "cluster": True,
+              "router": "vllm-router", "single": {**row, "answers": None},
+              "policies": {"kv_aware": row, "round_robin": rr},
+              "kill": {**row, "requests": 9, "policy": "kv_aware", "target": "master", "recovery": rec,
+                       "killed_after_answers": 4}}
+    text = table(result)
+    assert "a shared 3-master Redis Cluster" in text
+    assert "kv_aware, one Redis Cluster master (of 3) killed" in text and "## One Redis Cluster master" in text
+    assert "**1.09x**, local hit rate **2.50x**" in text
+    result["kill"]["target"] = "replica"
+    assert "kv_aware, one replica killed" in table(result) and "the last replica SIGKILLed once 4 of" in table(result)
+
+
+def _cluster_support() -> bool:
+    try:
+        from pckernels.store.testing import LocalRedisCluster, cli_binary  # noqa: F401
+    except ImportError:
+        return False
+    return cli_binary() is not None and server_binary() is not None
+
+
+@pytest.mark.skipif(ROUTER is None and not REQUIRE_ROUTER,
+                    reason="vllm-router is not installed (pip install -e '.[fleet]'; docs/fleet.md)")
+@pytest.mark.skipif(not _cluster_support(), reason="no Redis Cluster support (LocalRedisCluster, redis-cli)")
+def test_fleet_on_a_redis_cluster_with_a_master_killed(tok, tmp_path):
+    """The shared tier a 3-master cluster: routed answers equal direct ones, and one master's death
+    mid-run fails no request (its blocks become misses)."""
+    import asyncio
+    import time
+
+    from perf.fleet import run
+
+    assert ROUTER is not None, "PROMPTCACHE_REQUIRE_ROUTER is set but vllm-router is not installed"
+    convs = workload(tok, Options(tenants=1, docs_per_tenant=2, doc_tokens=64, chats=4, turns=2, tokens=4))
+    fleet = Fleet(2, remote=True, log_dir=tmp_path, cluster=True)
+    killed: dict = {}
+
+    def on_done(records) -> None:
+        if not killed and len(records) >= 3:
+            killed["at"] = time.perf_counter()
+            fleet.kill_master()
+
+    try:
+        url = fleet.start_router(ROUTER, "kv_aware")
+        time.sleep(1.0)
+        direct, _ = asyncio.run(run(fleet.urls[1], "smollm2", convs, Options(concurrency=1, tokens=4), 300))
+        time.sleep(1.0)
+        routed, _ = asyncio.run(run(url, "smollm2", convs, Options(concurrency=2, tokens=4), 300, on_done))
+    finally:
+        fleet.stop()
+    assert killed, "the master was killed mid-run"
+    assert all(r.ok for r in direct) and all(r.ok for r in routed), [r.error for r in routed if not r.ok]
+    assert len(routed) == 8
+    reference = {(r.conv, r.turn): r.answer for r in direct}
+    assert compare(reference, routed)["same"] == len(routed)
