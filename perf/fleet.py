@@ -228,8 +228,8 @@ async def run(url: str, model: str, convs: list[Conversation], opts: Options, li
                         try:
                             ttft, usage, text = await chat(client, model, messages(conv, answers, turn), opts.tokens)
                         except (httpx.HTTPError, RuntimeError) as exc:
-                            records.append(Record(conv.id, turn, False, start, time.perf_counter(), error=str(exc)[:200],
-                                                  retried=attempt > 0))
+                            records.append(Record(conv.id, turn, False, start, time.perf_counter(),
+                                                  error=str(exc)[:200], retried=attempt > 0))
                             if on_done:
                                 on_done(records)
                             continue
@@ -600,7 +600,8 @@ def table(result: dict) -> str:
         kv, rr = pol["kv_aware"], pol["round_robin"]
         local = (f", local hit rate **{kv['local_hit_rate'] / rr['local_hit_rate']:.2f}x**"
                  if rr.get("local_hit_rate") else "")
-        lines += ["", f"kv_aware / round_robin hit rate: **{kv['hit_rate'] / rr['hit_rate']:.2f}x**{local} (target >= 2x); "
+        lines += ["", f"kv_aware / round_robin hit rate: **{kv['hit_rate'] / rr['hit_rate']:.2f}x**{local} "
+                  "(target >= 2x); "
                   f"TTFT p99 {(kv['ttft_p99_s'] or 0) * 1e3:.0f} ms vs {(rr['ttft_p99_s'] or 0) * 1e3:.0f} ms "
                   f"(target: lower)."]
     kill = result.get("kill")
@@ -608,7 +609,8 @@ def table(result: dict) -> str:
         rec = kill["recovery"]
         first = rec["first_ok_after_kill_s"]
         lines += ["", f"## {_victim(kill)[0].upper() + _victim(kill)[1:]} killed mid-run", "",
-                  f"`{kill['policy']}`; {_victim(kill, the=True)} SIGKILLed once {kill.get('killed_after_answers')} of the "
+                  f"`{kill['policy']}`; {_victim(kill, the=True)} SIGKILLed once {kill.get('killed_after_answers')} "
+                  "of the "
                   f"{kill['requests'] - rec['failed']} answers were in. Failed requests: {rec['failed']} "
                   f"({rec['failed_in_flight']} in flight at the kill, {rec['failed_after_kill_started']} started "
                   f"after it); retried and answered: {rec['retried_ok']}. Requests started after the kill: "

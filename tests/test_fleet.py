@@ -247,7 +247,8 @@ def test_fleet_on_a_redis_cluster_with_a_master_killed(tok, tmp_path):
 
     assert ROUTER is not None, "PROMPTCACHE_REQUIRE_ROUTER is set but vllm-router is not installed"
     convs = workload(tok, Options(tenants=1, docs_per_tenant=2, doc_tokens=64, chats=4, turns=2, tokens=4))
-    fleet = Fleet(2, remote=True, log_dir=tmp_path, cluster=True)
+    # two API-key tenants: the routed run's blocks are its own (computed, written to the cluster after the kill)
+    fleet = Fleet(2, remote=True, log_dir=tmp_path, keys={"fleet-ref-key": "ref", "fleet-run-key": "run"}, cluster=True)
     killed: dict = {}
 
     def on_done(records) -> None:
@@ -258,12 +259,16 @@ def test_fleet_on_a_redis_cluster_with_a_master_killed(tok, tmp_path):
     try:
         url = fleet.start_router(ROUTER, "kv_aware")
         time.sleep(1.0)
-        direct, _ = asyncio.run(run(fleet.urls[1], "smollm2", convs, Options(concurrency=1, tokens=4), 300))
+        direct, _ = asyncio.run(run(fleet.urls[1], "smollm2", convs, Options(concurrency=1, tokens=4), 300,
+                                    key="fleet-ref-key"))
         time.sleep(1.0)
-        routed, _ = asyncio.run(run(url, "smollm2", convs, Options(concurrency=2, tokens=4), 300, on_done))
+        routed, _ = asyncio.run(run(url, "smollm2", convs, Options(concurrency=2, tokens=4), 300, on_done,
+                                    "fleet-run-key"))
+        time.sleep(1.0)  # write-behind to the dead master's slots
+        node_errors = fleet.metric("promptcache_remote_cluster_node_errors_total")
     finally:
         fleet.stop()
-    assert killed, "the master was killed mid-run"
+    assert killed and node_errors > 0, "the master was killed mid-run, and the replicas felt it"
     assert all(r.ok for r in direct) and all(r.ok for r in routed), [r.error for r in routed if not r.ok]
     assert len(routed) == 8
     reference = {(r.conv, r.turn): r.answer for r in direct}
