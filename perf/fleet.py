@@ -529,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
             row["answers"] = compare(reference, records)
             row["recovery"] = recovery(records, killed["at"]) if killed else None
             row["killed_after_answers"] = killed.get("answered")
+            if args.cluster:  # the live replicas' errors against the dead master (proof the kill was felt)
+                time.sleep(1.0)
+                row["cluster_node_errors"] = fleet.metric("promptcache_remote_cluster_node_errors_total")
             row["policy"] = args.kill_policy
             row["target"] = args.kill_target
             result["kill"] = row
@@ -616,7 +619,9 @@ def table(result: dict) -> str:
                   f"after it); retried and answered: {rec['retried_ok']}. Requests started after the kill: "
                   f"{rec['ok_after_kill']}/{rec['started_after_kill']} answered; first answer after the kill "
                   f"{'%.2f s' % first if first is not None else 'never'} after it. Answers equal to the single "
-                  f"replica's: {kill['answers']['same']}/{kill['answers']['compared']}."]
+                  f"replica's: {kill['answers']['same']}/{kill['answers']['compared']}."
+                  + (f" Cluster node errors counted by the replicas (`promptcache_remote_cluster_node_errors_total`):"
+                     f" {kill['cluster_node_errors']:.0f}." if "cluster_node_errors" in kill else "")]
     return "\n".join(lines) + "\n"
 
 

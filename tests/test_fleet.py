@@ -217,11 +217,12 @@ def test_readme_names_what_was_killed_and_the_local_hit_rates():
               "router": "vllm-router", "single": {**row, "answers": None},
               "policies": {"kv_aware": row, "round_robin": rr},
               "kill": {**row, "requests": 9, "policy": "kv_aware", "target": "master", "recovery": rec,
-                       "killed_after_answers": 4}}
+                       "killed_after_answers": 4, "cluster_node_errors": 7.0}}
     text = table(result)
     assert "a shared 3-master Redis Cluster" in text
     assert "kv_aware, one Redis Cluster master (of 3) killed" in text and "## One Redis Cluster master" in text
     assert "**1.09x**, local hit rate **2.50x**" in text
+    assert "(`promptcache_remote_cluster_node_errors_total`): 7." in text
     result["kill"]["target"] = "replica"
     assert "kv_aware, one replica killed" in table(result) and "the last replica SIGKILLed once 4 of" in table(result)
 
