@@ -1,7 +1,7 @@
 """KV events in vLLM's wire format (``--kv-events-config``, ``pckernels.store.events``).
 
 A subscriber written like vLLM's ``examples/online_serving/kv_events_subscriber.py`` (msgspec
-structs, array-like and tagged; SUB socket; replay on a gap) follows a session of the embedded
+structs, the batch array-like and each event a map tagged under "type"; SUB socket; replay on a gap) follows a session of the embedded
 SmolLM2 under small budgets — chats, RAG prompts importing PML modules, a schema uploaded through
 the server's app, evictions down every tier, a restart of the subscriber that replays what it
 missed — and the blocks it believes the server holds equal the store's, per medium. Then: bad
@@ -38,7 +38,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     events: list[Any]
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, tag_field="type"):
     """Base class for all KV cache-related events"""
 
 

@@ -390,3 +390,33 @@ def test_a_cut_forced_call_is_a_call_with_finish_reason_length(server):
             reasons.append(streamed.finish_reason)
     assert reasons[-1] == "length" and [(d.function.name, d.function.arguments) for d in deltas] == \
         [("get_weather", call.function.arguments)]
+ROUTER_FIELDS = {"no_stop_trim": False, "continue_final_message": False, "separate_reasoning": True,
+                 "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True}
+"""What vllm-router 0.1.17 adds to every chat body it forwards (captured from a live router)."""
+
+
+def test_router_fields_at_their_neutral_values_change_nothing(server):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    plain = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    routed = httpx.post(server.url + "/v1/chat/completions", json={**body, **ROUTER_FIELDS, "logprobs": False},
+                        timeout=60)
+    assert plain.status_code == routed.status_code == 200, routed.text
+    assert routed.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    for name, value in ROUTER_FIELDS.items():  # any other value would change the answer: refused, named
+        reply = httpx.post(server.url + "/v1/chat/completions", json={**body, name: not value}, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == name, (name, reply.text)
+
+
+def test_render_gives_the_prompt_ids_the_engine_reads(server, tokenizer):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "temperature": 0, **ROUTER_FIELDS}
+    reply = httpx.post(server.url + "/v1/chat/completions/render", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    ids = reply.json()["token_ids"]
+    assert ids == encode_prompt(tokenizer, MESSAGES)
+    assert ids == httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}, timeout=60).json()["tokens"]
+    usage = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
+    assert usage["prompt_tokens"] == len(ids)
+    bad = httpx.post(server.url + "/v1/chat/completions/render", json={"model": MODEL, "messages": []}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    other = httpx.post(server.url + "/v1/chat/completions/render", json={**body, "model": "nope"}, timeout=60)
+    assert other.status_code == 404

@@ -18,7 +18,7 @@ from pckernels.server.state import ServerState
 access_log = logging.getLogger("pckernels.server.access")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/schemas", "/tokenize", "/detokenize", "/metrics",
+_ROUTES = ("/v1/chat/completions/render", "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/schemas", "/tokenize", "/detokenize", "/metrics",
            "/health", "/ready")
 
 

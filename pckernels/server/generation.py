@@ -22,6 +22,7 @@ from pckernels.engine.request import RequestHandle
 from pckernels.errors import OptionError
 from pckernels.generation import SamplingParams, TextStream
 from pckernels.generation.grammar import GrammarError
+from pckernels.prefix.prompts import encode_prompt
 from pckernels.server.errors import SUBMIT_ERRORS, request_error, run_error, submit_error
 from pckernels.server.protocol import APIError
 from pckernels.server.replies import Reply, finish_reason
@@ -247,6 +248,16 @@ def sampling(state: ServerState, body, chat: bool) -> SamplingParams:
                               include_stop_str_in_output=body.include_stop_str_in_output)
     except OptionError as exc:
         raise APIError(400, str(exc), param=OPENAI_FIELDS.get(exc.option, exc.option)) from None
+
+
+def render_ids(tokenizer, body) -> list[int]:
+    """The prompt token ids of a chat ``body``'s messages, rendered as :func:`_build` has the engine
+    render them (template, tools, template variables); 400 for what the template refuses."""
+    tools = check_tools(body.tools, body.tool_choice) if body.tool_choice != "none" else None
+    try:
+        return encode_prompt(tokenizer, template_messages(body.messages), tools, template_kwargs(tokenizer, body))
+    except Exception as exc:  # the template's own refusal
+        raise APIError(400, f"cannot render the messages: {exc}", param="messages") from None
 
 
 def template_kwargs(tokenizer, body) -> dict | None:

@@ -27,6 +27,11 @@ MAX_N = 16
 """Answers one request may ask for."""
 IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 """Fields accepted and ignored: they cannot change an answer."""
+NEUTRAL = {"no_stop_trim": False, "continue_final_message": False, "separate_reasoning": True,
+           "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True}
+"""SGLang/vLLM extension fields a router (``vllm-router``, ``sglang-router``) adds to every body it
+re-serializes, at these values: accepted when they hold exactly these values (they cannot change the
+answer — this server neither trims stops nor separates reasoning); any other value is refused."""
 NOT_YET = ("functions", "function_call", "prediction", "modalities", "audio",
            "web_search_options", "guided_decoding_backend", "structured_outputs")
 """Fields OpenAI or vLLM clients send that this server does not honour: refused with a 400."""
@@ -125,7 +130,9 @@ class _Sampling(BaseModel):
     """OpenAI's cache-routing hint: accepted; exact prefix reuse needs no key (``docs/server.md``)."""
 
     def check_supported(self) -> None:
-        extra = sorted(set(self.model_extra or {}) - IGNORED)
+        given = self.model_extra or {}
+        extra = sorted(name for name in set(given) - IGNORED
+                       if not (name in NEUTRAL and given[name] is NEUTRAL[name]))
         if extra:
             known = [name for name in extra if name in NOT_YET]
             name = (known or extra)[0]

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from pckernels.errors import PMLError
 from pckernels.server.errors import no_schema, pml_error, validation_message
-from pckernels.server.generation import generate
+from pckernels.server.generation import generate, render_ids
 from pckernels.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        SchemaUpload, TokenizeRequest)
 from pckernels.server.responses import ResponsesRequest, create_response, stored_response
@@ -63,6 +63,17 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, who: Tenant = Depends(tenant)):
         return await generate(state, request, body, who, chat=False)
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(body: ChatCompletionRequest, _: Tenant = Depends(tenant)):
+        """vLLM's render endpoint: the prompt token ids a chat body would be read as, generating
+        nothing (what ``vllm-router``'s ``kv_aware`` policy asks each worker before it scores)."""
+        body.check_supported()
+        state.check_model(body.model)
+        if body.pml is not None or not body.messages:
+            raise APIError(400, "render takes chat messages (not a PML prompt)", param="messages")
+        ids = await asyncio.to_thread(render_ids, state.engine.tokenizer, body)
+        return {"model": state.model_name, "token_ids": ids, "features": None}
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request, who: Tenant = Depends(tenant)):

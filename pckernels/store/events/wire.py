@@ -1,14 +1,15 @@
-"""vLLM's KV-event wire format: msgpack (msgspec) structs, array-like and tagged.
+"""vLLM's KV-event wire format: msgpack (msgspec) structs; the batch positional, each event a tagged map.
 
 A published message has three frames: the topic, the batch's sequence number (8 bytes,
 big-endian, from 0) and the payload, a ``KVEventBatch`` encoded with msgspec's msgpack encoder:
-``[ts, [event, ...], data_parallel_rank]``. Each event is an array whose first element is its
-type's name (``tag=True``): ``["BlockStored", block_hashes, parent_block_hash, token_ids,
-block_size, lora_id, medium, lora_name, extra_keys]`` (``extra_keys`` omitted when ``None``),
-``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``. This is the positional form
-vLLM published before it moved events to maps, and the one vllm-router's ``kv_aware`` policy
-decodes; a subscriber declaring fewer fields (vLLM's example: up to ``medium``) reads the same bytes,
-as msgspec ignores trailing array elements.
+``[ts, [event, ...], data_parallel_rank]``. Each event is a map tagged with its type's name under
+``"type"``: ``{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+"block_size", "lora_id", "medium", "lora_name", "extra_keys"}`` (``extra_keys`` omitted when
+``None``), ``{"type": "BlockRemoved", "block_hashes", "medium"}``, ``{"type": "AllBlocksCleared"}``.
+This is the named form vLLM publishes since it moved events from positional arrays to maps, and the
+one vllm-router 0.1.17's ``kv_aware`` policy decodes (a positional event is dropped there with "KV
+event must be a tagged map"); a subscriber declaring fewer fields reads the same bytes, as msgspec
+ignores the map keys it does not declare.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: Optional[int] = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the three events; the tag is the class name."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, tag_field="type"):
+    """Base of the three events: maps, tagged with the class name under ``"type"``."""
 
 
 class BlockStored(KVCacheEvent):
