@@ -101,7 +101,9 @@ class _Engine:
         tier = {"hits": 1, "evictions": 0, "bytes": 10}
         return {"engine": {"waiting": 0, "running": 1, "batch_sizes": {1: 3}, "draft_tokens": 0, "draft_accepted": 0,
                            "arena": {"used_rows": 1, "bytes": 2}},
-                "device": tier, "host": tier, "disk": tier, "remote": {"hits": 1, "up": True}, "misses": 0,
+                "device": tier, "host": tier, "disk": tier, "remote": {"hits": 1, "up": True,
+                           "cluster": {"nodes": ["127.0.0.1:7000"], "node_errors": {"127.0.0.1:7000": 1},
+                                       "nodes_down": []}}, "misses": 0,
                 "encodes": 1, "prefix": {"queries": 2, "hits": 1},
                 "kv_events": {"published": 1, "batches": 1, "dropped": 0, "replays": 0, "subscribers": 1, "held": 3}}
 
