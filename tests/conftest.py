@@ -24,3 +24,18 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def cli_without_loading(monkeypatch, tmp_path):
+    """For command-line tests whose settings must be refused before a model loads: loading one fails
+    the test; the model cache points into ``tmp_path``."""
+    from pckernels.engine import PromptCache
+    from pckernels.engine import core as core_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before its settings were checked")
+
+    monkeypatch.setattr(PromptCache, "from_pretrained", no_loading)
+    monkeypatch.setattr(core_module, "load_pretrained", no_loading)
+    monkeypatch.setenv("PROMPTCACHE_CACHE_DIR", str(tmp_path / "cache"))

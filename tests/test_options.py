@@ -171,13 +171,7 @@ def test_a_config_object_or_the_keywords_make_the_same_engine(tokenizer, monkeyp
     (["run", "SCHEMA", "<prompt/>", "--lookahead", "-1"], ("--lookahead", ">= 0")),
     (["demo", "--max-new-tokens", "0"], ("--max-new-tokens", ">= 1")),
 ])
-def test_the_command_line_refuses_bad_settings_before_loading(tmp_path, monkeypatch, line, words):
-    def no_loading(*args, **kwargs):
-        raise AssertionError("the model was loaded before its settings were checked")
-
-    monkeypatch.setattr(PromptCache, "from_pretrained", no_loading)
-    monkeypatch.setattr(core_module, "load_pretrained", no_loading)
-    monkeypatch.setenv("PROMPTCACHE_CACHE_DIR", str(tmp_path / "cache"))
+def test_the_command_line_refuses_bad_settings_before_loading(tmp_path, cli_without_loading, line, words):
     schema = tmp_path / "schema.xml"
     schema.write_text(SCHEMA, encoding="utf-8")
     line = [str(schema) if part == "SCHEMA" else part for part in line]

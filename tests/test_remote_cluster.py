@@ -83,19 +83,12 @@ def test_cluster_urls():
     tier.close(timeout_s=0)
 
 
-def test_serve_and_encode_refuse_a_bad_cluster_url_at_start(tmp_path, monkeypatch):
+def test_serve_and_encode_refuse_a_bad_cluster_url_at_start(tmp_path, cli_without_loading):
     from typer.testing import CliRunner
 
     from pckernels.cli import app
-    from pckernels.engine import core as core_module
     from test_cli import assert_one_line_error
 
-    def no_loading(*args, **kwargs):
-        raise AssertionError("the model was loaded before --remote was checked")
-
-    monkeypatch.setattr(PromptCache, "from_pretrained", no_loading)
-    monkeypatch.setattr(core_module, "load_pretrained", no_loading)
-    monkeypatch.setenv("PROMPTCACHE_CACHE_DIR", str(tmp_path / "cache"))
     schema = tmp_path / "schema.xml"
     schema.write_text(SCHEMA, encoding="utf-8")
     for line in (["serve", "--store-dir", str(tmp_path / "kv")], ["encode", str(schema)]):
