@@ -102,7 +102,8 @@ def test_sampling_params_take_the_public_forms():
 BAD_SETTINGS = [("max_queue", 0), ("max_batch", 0), ("step_tokens", 0), ("lookahead", -1), ("lookahead", 1.5),
                 ("prefix_block_size", 0), ("matmul", "int3"), ("prefix_resume", "chunk"), ("placement", "paper"),
                 ("kv_budget", "lots"), ("device_budget", -1), ("remote", "http://nowhere"), ("remote_namespace", "a b"),
-                ("device", "bogus"), ("dtype", "int8"), ("store_dir", 3)]
+                ("device", "bogus"), ("dtype", "int8"), ("store_dir", 3), ("prefix_budget", "lots"),
+                ("prefix_budget", -1)]
 
 
 @pytest.mark.parametrize("field, value", BAD_SETTINGS)
@@ -155,12 +156,34 @@ def test_a_config_object_or_the_keywords_make_the_same_engine(tokenizer, monkeyp
         PromptCache(tiny_llama(len(tokenizer)), tokenizer, config={"max_queue": 4})
 
 
+def test_prefix_budget_bounds_what_the_prefix_cache_keeps(tokenizer):  # noqa: F811
+    """``prefix_budget`` reaches the engine's prefix cache: a budget of two blocks keeps at most two
+    (evicting the rest), the default keeps everything; the answers are the same either way."""
+    ids = [[(7 * i + 3 * j) % 200 + 5 for j in range(83)] for i in range(2)]
+    answers = {}
+    for budget in ("8KiB", None):
+        pc = PromptCache(tiny_llama(len(tokenizer)), tokenizer, prefix_block_size=16, prefix_budget=budget)
+        try:
+            answers[budget] = [pc.complete(x, max_new_tokens=3).token_ids for x in ids]
+            stats = pc.prefix.stats()
+        finally:
+            pc.close()
+        if budget is None:
+            assert stats["budget_bytes"] == 1 << 30 and stats["evictions"] == 0
+        else:
+            # tiny_llama: 2 layers x K,V x 2 heads x 8 dims x 4 bytes x 16 tokens = 4 KiB a block
+            assert stats["budget_bytes"] == 8 << 10 and 0 < stats["bytes"] <= 8 << 10
+            assert stats["evictions"] > 0
+    assert answers["8KiB"] == answers[None]
+
+
 # -- the command line refuses before loading -----------------------------------------------------
 
 @pytest.mark.parametrize("line, words", [
     (["serve", "--max-queue", "0"], ("--max-queue", "max_queue must be an int >= 1, got 0")),
     (["serve", "--max-batch", "0"], ("--max-batch", ">= 1")),
     (["serve", "--kv-budget", "lots"], ("--kv-budget", "not a size")),
+    (["serve", "--prefix-budget", "lots"], ("--prefix-budget", "not a size")),
     (["serve", "--lookahead", "-1"], ("--lookahead", ">= 0")),
     (["serve", "--prefix-block", "0"], ("--prefix-block", ">= 1")),
     (["serve", "--prefix-resume", "chunk"], ("unknown --prefix-resume 'chunk'", "block or token")),

@@ -60,6 +60,8 @@ class EngineConfig:
     step (0: none).
 
     Reuse: ``prefix_block_size`` tokens per block of plain prompts' prefix reuse,
+    ``prefix_budget`` bytes of them the prefix cache keeps before it evicts (least recently used
+    first, full blocks spilling into the store's tiers; ``None``: 1 GiB),
     ``prefix_resume`` (``"block"`` or ``"token"``), ``placement`` of PML schemas that do not say
     (``"compact"`` or ``"schema"``).
 
@@ -88,6 +90,7 @@ class EngineConfig:
     step_tokens: int = 2048
     lookahead: int = 0
     prefix_block_size: int = DEFAULT_PREFIX_BLOCK
+    prefix_budget: int | str | None = None
     prefix_resume: str = "block"
     placement: str = "compact"
     step_graphs: StepGraphs | str | None = None
@@ -95,7 +98,7 @@ class EngineConfig:
     attention: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("device_budget", "host_budget", "disk_budget", "kv_budget"):
+        for name in ("device_budget", "host_budget", "disk_budget", "kv_budget", "prefix_budget"):
             value = getattr(self, name)
             if value is not None:
                 self._set(name, _checked(name, value, lambda v, n=name: parse_size(v, n)))

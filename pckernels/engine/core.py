@@ -46,7 +46,7 @@ from pckernels.integration.positions import KeyRotation
 from pckernels.integration.row_attention import resolve_attention
 from pckernels.pml.model import ResolvedPrompt, Schema
 from pckernels.pml.tokens import fingerprint
-from pckernels.prefix import PrefixCache, encode_prompt
+from pckernels.prefix import DEFAULT_BUDGET_BYTES, PrefixCache, encode_prompt
 from pckernels.program import ProgramCall
 from pckernels.store import BlockKey, BlockKeys, RemoteTier, TieredStore, default_store_dir
 from pckernels.store.events import KVEventsConfig, start_publisher
@@ -109,7 +109,9 @@ class PromptCache:
     read more forwards (``docs/prefix.md``). ``prefix_resume``: ``"block"`` (default: reuse on is
     bitwise equal to reuse off) or ``"token"`` (attention-only models: a hit also takes the shared
     tokens of a stored entry past its last full block and reads on from the first new token —
-    equal to reuse off to rounding; what it computes is not stored).
+    equal to reuse off to rounding; what it computes is not stored). ``prefix_budget``: bytes of
+    blocks the prefix cache keeps (default 1 GiB) before the least recently used leave it for the
+    store's tiers — with the store's budgets, what one replica of a fleet holds (``docs/fleet.md``).
 
     ``placement``: where a PML prompt places its imported modules when neither the prompt nor its
     schema says (``placement=`` attributes, ``docs/pml.md``): ``"compact"`` (default: moved
@@ -167,6 +169,7 @@ class PromptCache:
                               message="prefix_resume='token' needs an attention-only model: recurrent states exist "
                                       "only at the chunk boundaries they were saved at")
         self.prefix_block_size = config.prefix_block_size
+        self.prefix_budget = DEFAULT_BUDGET_BYTES if config.prefix_budget is None else config.prefix_budget
         self.prefix_resume = config.prefix_resume
         store_dir = default_store_dir() if config.store_dir is True else config.store_dir
         self.store = TieredStore(self.device, disk_dir=store_dir or None, remote=remote,
@@ -376,7 +379,8 @@ class PromptCache:
         is the batched way."""
         with self._prefix_lock:
             if self._prefix is None:
-                options = dict(block_size=self.prefix_block_size, spill=self.store, spill_model_id=self.model_id,
+                options = dict(block_size=self.prefix_block_size, budget_bytes=self.prefix_budget,
+                               spill=self.store, spill_model_id=self.model_id,
                                resume=self.prefix_resume,
                                events=self.kv_events.ledger if self.kv_events is not None else None)
                 if self.recurrent is None:
