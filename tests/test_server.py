@@ -333,6 +333,8 @@ def test_metrics_parse_and_count(server):
     assert m["promptcache_prompt_tokens_total{kind=computed}"] > 0
     assert m["promptcache_inter_token_seconds_count"] > 0
     assert m["promptcache_prefix_queries_total{result=hit}"] > 0
+    assert 0 < m["promptcache_prefix_bytes"] <= m["promptcache_prefix_budget_bytes"] == 1 << 30
+    assert m["promptcache_prefix_evictions_total"] == 0
     assert "promptcache_queue_depth" in m and "promptcache_store_hits_total{tier=device}" in m
     assert any(k.startswith("promptcache_batch_steps_total{size=") for k in m)
     assert 0 <= m["promptcache_draft_tokens_total{outcome=accepted}"] <= m["promptcache_draft_tokens_total{outcome=verified}"]

@@ -100,6 +100,12 @@ class _EngineCollector:
             family.add_metric(["hit"], hit)
             family.add_metric(["miss"], max(0, queries - hit))
             yield family
+            yield _gauge("promptcache_prefix_bytes", "Bytes of prefix blocks held in memory", prefix.get("bytes", 0))
+            yield _gauge("promptcache_prefix_budget_bytes", "The prefix cache's byte budget (--prefix-budget)",
+                         prefix.get("budget_bytes", 0))
+            evicted = CounterMetricFamily("promptcache_prefix_evictions", "Prefix entries evicted for the budget")
+            evicted.add_metric([], prefix.get("evictions", 0))
+            yield evicted
 
 
 def _remote_metrics(remote: dict):
