@@ -268,7 +268,7 @@ class Fleet:
     (the first ones; default all): the others are for direct requests (the reference)."""
 
     def __init__(self, n: int, remote: bool, log_dir: Path, keys: dict[str, str] | None = None,
-                 routed: int | None = None, cluster: bool = False) -> None:
+                 routed: int | None = None, cluster: bool = False, budget: str | None = None) -> None:
         from pckernels.store.testing import LocalRedis, free_port
 
         self.log_dir = log_dir
@@ -298,6 +298,8 @@ class Fleet:
                 extra += ["--remote", self.redis.url]
             if keys:
                 extra += ["--api-keys", str(key_file)]
+            if budget is not None:  # all a replica keeps: the prefix cache's budget, no store tier behind it
+                extra += ["--prefix-budget", budget, "--device-budget", "0", "--host-budget", "0"]
             try:
                 self.procs[i], self.urls[i] = start_server("smollm2", extra)
             except BaseException as exc:  # noqa: BLE001 — reported after the join
@@ -428,7 +430,8 @@ def measure(fleet: Fleet, url: str, convs: list[Conversation], opts: Options, li
             on_done=None) -> dict:
     """One workload run through ``url``; the replicas' Redis reads are deltas over the replicas still
     alive at the end (a killed one's counters are gone)."""
-    counters = (("promptcache_remote_bytes_total", "read"), ("promptcache_store_hits_total", "remote"))
+    counters = (("promptcache_remote_bytes_total", "read"), ("promptcache_store_hits_total", "remote"),
+                ("promptcache_prefix_evictions_total", None))
     before = [[fleet.metric_of(i, *c) for c in counters] for i in range(len(fleet.urls))]
     records, wall = asyncio.run(run(url, "smollm2", convs, opts, limit_s, on_done, key))
     row = summary(records, wall)
@@ -436,6 +439,7 @@ def measure(fleet: Fleet, url: str, convs: list[Conversation], opts: Options, li
     after = {i: [fleet.metric_of(i, *c) for c in counters] for i in alive}
     row["remote_mib_read"] = sum(after[i][0] - before[i][0] for i in alive) / 2**20
     row["remote_blocks"] = sum(after[i][1] - before[i][1] for i in alive)
+    row["prefix_evictions"] = sum(after[i][2] - before[i][2] for i in alive)
     # prefix blocks are full BLOCK-token blocks: what the replicas held themselves, Redis reads taken out
     row["local_hit_rate"] = (max(0.0, row["cached_tokens"] - BLOCK * row["remote_blocks"]) / row["prompt_tokens"]
                              if row["prompt_tokens"] else 0.0)
@@ -460,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, help="new tokens per answer")
     ap.add_argument("--no-remote", action="store_true", help="private stores (no shared Redis)")
     ap.add_argument("--cluster", action="store_true", help="the shared tier is a 3-master Redis Cluster")
+    ap.add_argument("--replica-budget", metavar="SIZE",
+                    help="KV bytes one replica keeps (e.g. 96MiB: its --prefix-budget, with no device or host tier "
+                         "behind it); default: the server's (1 GiB prefix cache + store tiers), more than the "
+                         "workload needs")
     ap.add_argument("--kill-target", choices=("replica", "master"), default="replica",
                     help="what the kill run SIGKILLs: the last replica, or a cluster master (--cluster)")
     ap.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
@@ -491,12 +499,14 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(exist_ok=True)
     result: dict = {"argv": sys.argv[1:], "options": asdict(opts), "replicas": args.replicas,
                     "remote": not args.no_remote, "cluster": args.cluster, "kill_target": args.kill_target,
+                    "replica_budget": args.replica_budget,
                     "router": _router_version(binary), "policies": {}}
     t_all = time.perf_counter()
     runs = ["reference", *args.policies] + (["kill"] if args.kill and args.replicas >= 2 else [])
     keys = {f"perf-fleet-{run}-key": f"run-{run}" for run in runs}
     # one fleet: the routed replicas plus one more for the reference, every run its own tenant
-    fleet = Fleet(args.replicas + 1, not args.no_remote, logs, keys, routed=args.replicas, cluster=args.cluster)
+    fleet = Fleet(args.replicas + 1, not args.no_remote, logs, keys, routed=args.replicas, cluster=args.cluster,
+                  budget=args.replica_budget)
     try:
         row = measure(fleet, fleet.urls[-1], convs, opts, args.limit, "perf-fleet-reference-key")
         reference = {(r["conv"], r["turn"]): r["answer"] for r in row["records"] if r["ok"]}
@@ -571,7 +581,7 @@ def table(result: dict) -> str:
     lines = ["# promptcache replicas behind vllm-router", "",
              f"`python -m perf.fleet {' '.join(result['argv'])}` — {result['replicas']} `promptcache serve` replicas "
              f"(embedded SmolLM2-135M, fp32, one thread each, `--prefix-block {BLOCK}`, KV events on"
-             f"{_shared(result)}), router `{result['router']}`, "
+             f"{_shared(result)}{_budget(result)}), router `{result['router']}`, "
              f"{os.cpu_count()} CPUs visible (shared with other work: compare rows, not runs).", "",
              f"Workload: {opts['tenants']} tenants x {opts['docs_per_tenant']} documents of {opts['doc_tokens']} "
              f"tokens, {opts['chats']} conversations of {opts['turns']} turns ({opts['chats'] * opts['turns']} "
@@ -584,7 +594,7 @@ def table(result: dict) -> str:
              "stored). *Credited*: prompt tokens kv_aware's router counted as cached on the worker it chose "
              "(its debug log).", "",
              "| run | hit rate | local hit rate | TTFT p50 | TTFT p99 | req/s | failed | answers = single replica's "
-             "| MiB from Redis | credited |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| MiB from Redis | prefix evictions | credited |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [("single replica, no router", result.get("single"))]
     rows += [(p, r) for p, r in result.get("policies", {}).items()]
     if result.get("kill"):
@@ -597,7 +607,7 @@ def table(result: dict) -> str:
         local = f"{r['local_hit_rate']:.1%}" if "local_hit_rate" in r else "–"
         lines.append(f"| {name} | {r['hit_rate']:.1%} | {local} | {(r['ttft_p50_s'] or 0) * 1e3:.0f} ms | "
                      f"{(r['ttft_p99_s'] or 0) * 1e3:.0f} ms | {r['requests_per_s']:.2f} | {r['failed']} | {answers} | "
-                     f"{r.get('remote_mib_read', 0):.1f} | {_credited(r)} |")
+                     f"{r.get('remote_mib_read', 0):.1f} | {r.get('prefix_evictions', 0):.0f} | {_credited(r)} |")
     pol = result.get("policies", {})
     if "kv_aware" in pol and "round_robin" in pol and pol["round_robin"]["hit_rate"]:
         kv, rr = pol["kv_aware"], pol["round_robin"]
@@ -629,6 +639,14 @@ def _shared(result: dict) -> str:
     if not result["remote"]:
         return ", private stores"
     return ", a shared 3-master Redis Cluster" if result.get("cluster") else ", a shared Redis"
+
+
+def _budget(result: dict) -> str:
+    budget = result.get("replica_budget")
+    if not budget:
+        return ""
+    return (f", each replica keeping at most {budget} of KV (`--prefix-budget {budget} --device-budget 0 "
+            "--host-budget 0`)")
 
 
 def _victim(kill: dict, the: bool = False) -> str:
