@@ -76,6 +76,12 @@ def test_summary_counts_only_answered_requests():
     assert s["hit_rate"] == pytest.approx(150 / 300)
     assert s["ttft_p50_s"] == pytest.approx(0.2) and 0.2 < s["ttft_p99_s"] <= 0.3
     assert s["requests_per_s"] == pytest.approx(1.0)
+    # the opening wave (started before the first answer was in) is left out of one p99 only
+    wave = [_rec(c, 0, start=0.0, end=5.0 + c, ttft=4.0 + c) for c in range(3)]
+    wave += [_rec(c, 1, start=5.0 + c + 0.1 * t, end=6.0 + c, ttft=0.2 + 0.1 * c) for c in range(3) for t in range(3)]
+    s = summary(wave, 10.0)
+    assert s["after_opening"] == 9 and s["ttft_p99_s"] > 5.0
+    assert 0.2 <= s["ttft_p99_after_opening_s"] <= 0.41 and s["ttft_p50_s"] <= s["ttft_p95_s"] <= s["ttft_p99_s"]
     empty = summary([], 0.0)
     assert empty["hit_rate"] == 0.0 and empty["ttft_p50_s"] is None and empty["requests_per_s"] == 0.0
 
@@ -253,6 +259,7 @@ def test_readme_names_what_was_killed_and_the_local_hit_rates():
     assert "a shared 3-master Redis Cluster" in text
     assert "kv_aware, one Redis Cluster master (of 3) killed" in text and "## One Redis Cluster master" in text
     assert "**1.09x**, local hit rate **2.50x**" in text
+    assert "TTFT p99 400 ms vs 800 ms" in text and "after the opening – vs –" in text
     assert "(`promptcache_remote_cluster_node_errors_total`): 7." in text
     result["kill"]["target"] = "replica"
     assert "kv_aware, one replica killed" in table(result) and "the last replica SIGKILLed once 4 of" in table(result)
