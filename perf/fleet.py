@@ -338,8 +338,9 @@ class Fleet:
             self.stop()
             raise errors[0]
 
-    def start_router(self, binary: str, policy: str) -> str:
-        """``vllm-router`` with ``policy`` over the replicas, fed their KV events; its URL once healthy."""
+    def start_router(self, binary: str, policy: str, extra: list[str] | None = None) -> str:
+        """``vllm-router`` with ``policy`` over the replicas, fed their KV events (``extra``: more of its
+        flags, for kv_aware only); its URL once healthy."""
         from pckernels.integration.embedded import converted_dir
         from pckernels.store.testing import free_port
 
@@ -348,6 +349,7 @@ class Fleet:
                "--worker-urls", *self.urls[:self.routed], "--policy", policy, "--health-check-interval-secs", "1",
                "--health-failure-threshold", "1", "--log-level", "debug" if policy == "kv_aware" else "info"]
         if policy == "kv_aware":  # the router refuses event sources for any other policy
+            cmd += extra or []
             cmd += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", "smollm2"]
             for url, (events, replay) in zip(self.urls[:self.routed], self.ports):
                 cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{events}",
@@ -487,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-policy", choices=POLICIES, default="kv_aware")
     ap.add_argument("--kill-after", type=float, default=0.4, help="share of requests finished before the kill")
     ap.add_argument("--router", help="the vllm-router executable")
+    ap.add_argument("--kv-aware-args", default="",
+                    help="more vllm-router flags for the kv_aware runs, one string (e.g. '--router-temperature 0.5')")
     ap.add_argument("--limit", type=float, default=600.0, help="seconds one workload run may take")
     ap.add_argument("--out", type=Path, default=Path("perf/results/cpu-2c/fleet"))
     args = ap.parse_args(argv)
@@ -511,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(exist_ok=True)
     result: dict = {"argv": sys.argv[1:], "options": asdict(opts), "replicas": args.replicas,
                     "remote": not args.no_remote, "cluster": args.cluster, "kill_target": args.kill_target,
-                    "replica_budget": args.replica_budget,
+                    "replica_budget": args.replica_budget, "kv_aware_args": args.kv_aware_args,
                     "router": _router_version(binary), "policies": {}}
     t_all = time.perf_counter()
     runs = ["reference", *args.policies] + (["kill"] if args.kill and args.replicas >= 2 else [])
@@ -525,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         result["single"] = row
         _report("single replica, no router", row)
         for policy in args.policies:
-            url = fleet.start_router(binary, policy)
+            url = fleet.start_router(binary, policy, args.kv_aware_args.split())
             try:
                 row = measure(fleet, url, convs, opts, args.limit, f"perf-fleet-{policy}-key")
             finally:
@@ -545,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                     killed["answered"] = sum(r.ok for r in records)
                     fleet.kill_master() if args.kill_target == "master" else fleet.kill(victim)
 
-            url = fleet.start_router(binary, args.kill_policy)
+            url = fleet.start_router(binary, args.kill_policy, args.kv_aware_args.split())
             row = measure(fleet, url, convs, opts, args.limit, "perf-fleet-kill-key", on_done)
             records = [Record(**r) for r in row["records"]]
             row["answers"] = compare(reference, records)
@@ -593,7 +597,8 @@ def table(result: dict) -> str:
     lines = ["# promptcache replicas behind vllm-router", "",
              f"`python -m perf.fleet {' '.join(result['argv'])}` — {result['replicas']} `promptcache serve` replicas "
              f"(embedded SmolLM2-135M, fp32, one thread each, `--prefix-block {BLOCK}`, KV events on"
-             f"{_shared(result)}{_budget(result)}), router `{result['router']}`, "
+             f"{_shared(result)}{_budget(result)}), router `{result['router']}`"
+             + (f" (kv_aware with `{result['kv_aware_args']}`)" if result.get("kv_aware_args") else "") + ", "
              f"{os.cpu_count()} CPUs visible (shared with other work: compare rows, not runs).", "",
              f"Workload: {opts['tenants']} tenants x {opts['docs_per_tenant']} documents of {opts['doc_tokens']} "
              f"tokens, {opts['chats']} conversations of {opts['turns']} turns ({opts['chats'] * opts['turns']} "
