@@ -271,6 +271,12 @@ def router_binary(given: str | None) -> str | None:
     return None
 
 
+def budget_flags(budget: str) -> list[str]:
+    """``serve`` flags for a replica that keeps at most ``budget`` of KV: the prefix cache's budget,
+    no store tier behind it."""
+    return ["--prefix-budget", budget, "--device-budget", "0", "--host-budget", "0"]
+
+
 class Fleet:
     """``n`` replicas (events on), a shared Redis, and a router in front; ``stop`` ends them all.
 
@@ -310,8 +316,8 @@ class Fleet:
                 extra += ["--remote", self.redis.url]
             if keys:
                 extra += ["--api-keys", str(key_file)]
-            if budget is not None:  # all a replica keeps: the prefix cache's budget, no store tier behind it
-                extra += ["--prefix-budget", budget, "--device-budget", "0", "--host-budget", "0"]
+            if budget is not None:
+                extra += budget_flags(budget)
             try:
                 self.procs[i], self.urls[i] = start_server("smollm2", extra)
             except BaseException as exc:  # noqa: BLE001 — reported after the join
@@ -373,25 +379,21 @@ class Fleet:
 
     def metric(self, name: str, label: str | None = None) -> float:
         """``name`` summed over the live replicas (the samples whose label value is ``label``, if given)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        total = 0.0
-        for proc, url in zip(self.procs, self.urls):
-            if proc is None or proc.poll() is not None:
-                continue
-            for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-                for sample in family.samples:
-                    if sample.name == name and (label is None or label in sample.labels.values()):
-                        total += sample.value
-        return total
+        return sum(self.metric_of(i, name, label) for i, proc in enumerate(self.procs)
+                   if proc is not None and proc.poll() is None)
 
     def metric_of(self, i: int, name: str, label: str | None = None) -> float:
         """``name`` on replica ``i`` alone (see :meth:`metric`)."""
+        return self.counters_of(i, [(name, label)])[0]
+
+    def counters_of(self, i: int, counters) -> list[float]:
+        """Each ``(name, label)`` of ``counters`` on replica ``i``, from one scrape of its ``/metrics``."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(self.urls[i] + "/metrics", timeout=10).text
-        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-                   if sample.name == name and (label is None or label in sample.labels.values()))
+        samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+        return [sum(s.value for s in samples if s.name == name and (label is None or label in s.labels.values()))
+                for name, label in counters]
 
     def kill(self, i: int) -> None:
         self.procs[i].send_signal(signal.SIGKILL)
@@ -446,11 +448,11 @@ def measure(fleet: Fleet, url: str, convs: list[Conversation], opts: Options, li
     alive at the end (a killed one's counters are gone)."""
     counters = (("promptcache_remote_bytes_total", "read"), ("promptcache_store_hits_total", "remote"),
                 ("promptcache_prefix_evictions_total", None))
-    before = [[fleet.metric_of(i, *c) for c in counters] for i in range(len(fleet.urls))]
+    before = [fleet.counters_of(i, counters) for i in range(len(fleet.urls))]
     records, wall = asyncio.run(run(url, "smollm2", convs, opts, limit_s, on_done, key))
     row = summary(records, wall)
     alive = [i for i, p in enumerate(fleet.procs) if p.poll() is None]
-    after = {i: [fleet.metric_of(i, *c) for c in counters] for i in alive}
+    after = {i: fleet.counters_of(i, counters) for i in alive}
     row["remote_mib_read"] = sum(after[i][0] - before[i][0] for i in alive) / 2**20
     row["remote_blocks"] = sum(after[i][1] - before[i][1] for i in alive)
     row["prefix_evictions"] = sum(after[i][2] - before[i][2] for i in alive)
@@ -671,8 +673,7 @@ def _budget(result: dict) -> str:
     budget = result.get("replica_budget")
     if not budget:
         return ""
-    return (f", each replica keeping at most {budget} of KV (`--prefix-budget {budget} --device-budget 0 "
-            "--host-budget 0`)")
+    return f", each replica keeping at most {budget} of KV (`{' '.join(budget_flags(budget))}`)"
 
 
 def _victim(kill: dict, the: bool = False) -> str:
