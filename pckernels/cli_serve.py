@@ -77,6 +77,9 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
           matmul: str = typer.Option("fp32", help="CPU matmul precision: fp32, or bf16 (oneDNN over packed bf16 "
                                                  "weights; faster, changes numerics: docs/perf.md)."),
           prefix_block: int = typer.Option(256, help="Tokens per block of plain prompts' exact prefix reuse."),
+          prefix_chunk: Optional[int] = typer.Option(None, help="Tokens per forward when a plain prompt is read, a "
+                                                                "multiple of --prefix-block (default: the block; "
+                                                                "with --prefix-resume token, >= 256)."),
           prefix_budget: Optional[str] = typer.Option(None, help="Bytes of prefix blocks kept in memory before the "
                                                                  "least recently used spill to the store's tiers "
                                                                  "(default 1GiB)."),
@@ -130,7 +133,8 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
                              device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget,
                              remote=remote, remote_namespace=remote_namespace, kv_budget=kv_budget,
                              max_queue=max_queue, max_batch=max_batch, lookahead=lookahead,
-                             prefix_block_size=prefix_block, prefix_budget=prefix_budget,
+                             prefix_block_size=prefix_block, prefix_chunk=prefix_chunk,
+                             prefix_budget=prefix_budget,
                              prefix_resume=prefix_resume, placement=placement,
                              kv_events=kv_events_config)
     publisher = start_kv_events(config.kv_events)

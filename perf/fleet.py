@@ -271,6 +271,17 @@ def router_binary(given: str | None) -> str | None:
     return None
 
 
+def prefix_flags(resume: str = "block", chunk: int | None = None) -> list[str]:
+    """``serve`` flags of the replicas' prefix reuse: ``--prefix-block`` (the router's block size),
+    and where a hit resumes and how many tokens a cold read takes per forward when not the defaults."""
+    flags = ["--prefix-block", str(BLOCK)]
+    if resume != "block":
+        flags += ["--prefix-resume", resume]
+    if chunk is not None:
+        flags += ["--prefix-chunk", str(chunk)]
+    return flags
+
+
 def budget_flags(budget: str) -> list[str]:
     """``serve`` flags for a replica that keeps at most ``budget`` of KV: the prefix cache's budget,
     no store tier behind it."""
@@ -282,11 +293,13 @@ class Fleet:
 
     ``keys``: API key -> tenant, given to every replica (``--api-keys``) with one shared salt secret,
     so a tenant's blocks are its own on every replica and in Redis — how the runs of different
-    policies are kept apart on one fleet. ``routed``: how many of the replicas the router fronts
+    policies are kept apart on one fleet. ``prefix``: the replicas' prefix-reuse flags
+    (:func:`prefix_flags`). ``routed``: how many of the replicas the router fronts
     (the first ones; default all): the others are for direct requests (the reference)."""
 
     def __init__(self, n: int, remote: bool, log_dir: Path, keys: dict[str, str] | None = None,
-                 routed: int | None = None, cluster: bool = False, budget: str | None = None) -> None:
+                 routed: int | None = None, cluster: bool = False, budget: str | None = None,
+                 prefix: list[str] | None = None) -> None:
         from pckernels.store.testing import LocalRedis, free_port
 
         self.log_dir = log_dir
@@ -311,7 +324,7 @@ class Fleet:
         def launch(i: int) -> None:
             events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.ports[i][0]}",
                       "replay_endpoint": f"tcp://*:{self.ports[i][1]}", "topic": ""}
-            extra = ["--prefix-block", str(BLOCK), "--kv-events-config", json.dumps(events)]
+            extra = [*(prefix or prefix_flags()), "--kv-events-config", json.dumps(events)]
             if self.redis is not None:
                 extra += ["--remote", self.redis.url]
             if keys:
@@ -484,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="KV bytes one replica keeps (e.g. 96MiB: its --prefix-budget, with no device or host tier "
                          "behind it); default: the server's (1 GiB prefix cache + store tiers), more than the "
                          "workload needs")
+    ap.add_argument("--prefix-resume", choices=("block", "token"), default="block",
+                    help="the replicas' --prefix-resume: block (bitwise hits, cold prompts read in 16-token "
+                         "forwards) or token (hits equal to rounding, cold prompts read in 256-token forwards)")
+    ap.add_argument("--prefix-chunk", type=int, help="the replicas' --prefix-chunk (default: the server's)")
     ap.add_argument("--kill-target", choices=("replica", "master"), default="replica",
                     help="what the kill run SIGKILLs: the last replica, or a cluster master (--cluster)")
     ap.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
@@ -518,13 +535,14 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"argv": sys.argv[1:], "options": asdict(opts), "replicas": args.replicas,
                     "remote": not args.no_remote, "cluster": args.cluster, "kill_target": args.kill_target,
                     "replica_budget": args.replica_budget, "kv_aware_args": args.kv_aware_args,
+                    "prefix_flags": prefix_flags(args.prefix_resume, args.prefix_chunk),
                     "router": _router_version(binary), "policies": {}}
     t_all = time.perf_counter()
     runs = ["reference", *args.policies] + (["kill"] if args.kill and args.replicas >= 2 else [])
     keys = {f"perf-fleet-{run}-key": f"run-{run}" for run in runs}
     # one fleet: the routed replicas plus one more for the reference, every run its own tenant
     fleet = Fleet(args.replicas + 1, not args.no_remote, logs, keys, routed=args.replicas, cluster=args.cluster,
-                  budget=args.replica_budget)
+                  budget=args.replica_budget, prefix=prefix_flags(args.prefix_resume, args.prefix_chunk))
     try:
         row = measure(fleet, fleet.urls[-1], convs, opts, args.limit, "perf-fleet-reference-key")
         reference = {(r["conv"], r["turn"]): r["answer"] for r in row["records"] if r["ok"]}
@@ -598,7 +616,8 @@ def table(result: dict) -> str:
     opts = result["options"]
     lines = ["# promptcache replicas behind vllm-router", "",
              f"`python -m perf.fleet {' '.join(result['argv'])}` — {result['replicas']} `promptcache serve` replicas "
-             f"(embedded SmolLM2-135M, fp32, one thread each, `--prefix-block {BLOCK}`, KV events on"
+             f"(embedded SmolLM2-135M, fp32, one thread each, `{' '.join(result.get('prefix_flags') or prefix_flags())}`, "
+             "KV events on"
              f"{_shared(result)}{_budget(result)}), router `{result['router']}`"
              + (f" (kv_aware with `{result['kv_aware_args']}`)" if result.get("kv_aware_args") else "") + ", "
              f"{os.cpu_count()} CPUs visible (shared with other work: compare rows, not runs).", "",

@@ -132,8 +132,8 @@ def test_engine_blocks_are_not_a_standalone_prefix_cache_s(tokenizer):  # noqa: 
 def test_token_granular_resumption_starts_at_the_first_new_token(tokenizer, native):  # noqa: F811
     """prefix_resume="token": a new question after a cached document whose length is no multiple
     of the block resumes after the document's last token (inside the stored prompt end), equals
-    reuse off to rounding (same greedy tokens), stores nothing it computed, and leaves the arena's
-    remembered rows bitwise for the next hits."""
+    reuse off to rounding (same greedy tokens), stores what it computed (its repeat is a whole
+    hit with its own first logits), and leaves the arena's remembered rows right for the next hits."""
     pc = engine(tokenizer, native=native, prefix_resume="token")
     base = doc(tokenizer, 21, 75)
     first, second, third = (base + doc(tokenizer, seed, 9) for seed in (22, 23, 24))
@@ -145,7 +145,9 @@ def test_token_granular_resumption_starts_at_the_first_new_token(tokenizer, nati
     assert hit.token_ids == fresh[0].token_ids
     assert torch.allclose(hit.first_logits, fresh[0].first_logits, atol=1e-4, rtol=0)
     assert pc.prefix.stats()["partial_tokens"] == hit.cached_tokens - len(base) // BLOCK * BLOCK
-    assert pc.prefix.stats()["entries"] == stored, "a token-resumed read stores nothing"
+    assert pc.prefix.stats()["entries"] > stored, "a token-resumed read stores what it computed"
+    repeat = pc.complete(second, max_new_tokens=NEW)
+    assert repeat.cached_tokens == len(second) and same(repeat, hit)
     again = pc.complete(third, max_new_tokens=NEW)
     assert again.cached_tokens >= len(base) and again.token_ids == fresh[1].token_ids
     block_mode = engine(tokenizer, native=native)
@@ -161,3 +163,75 @@ def test_token_granular_resumption_needs_an_attention_only_model():
         PromptCache(tiny_model("lfm2", len(byte_tokenizer)), byte_tokenizer, prefix_resume="token")
     with pytest.raises(ValueError, match="prefix_resume"):
         PromptCache(tiny_model("llama", len(byte_tokenizer)), byte_tokenizer, prefix_resume="chunk")
+
+
+def counting_forwards(pc: PromptCache) -> list[int]:
+    """Patch ``pc``'s prefix cache to record the tokens of each prompt forward it runs."""
+    prefix, sizes = pc.prefix, []
+    forward = prefix.forward_chunk
+
+    def counted(cache, input_ids, first_position):
+        sizes.append(input_ids.shape[1])
+        return forward(cache, input_ids, first_position)
+
+    prefix.forward_chunk = counted
+    return sizes
+
+
+def test_a_chunk_of_several_blocks_resumes_only_at_its_boundaries_bitwise(tokenizer):  # noqa: F811
+    """``prefix_chunk=3 * BLOCK`` with block resumption: a prompt is read in 48-token forwards, a hit
+    resumes at the last 48-token boundary it has (not at every 16-token block) and is bitwise
+    reuse off."""
+    pc = engine(tokenizer, prefix_chunk=3 * BLOCK)
+    base = doc(tokenizer, 31, 100)
+    first, second = base + doc(tokenizer, 32, 11), base + doc(tokenizer, 33, 6)
+    fresh = pc.complete(second, max_new_tokens=NEW, reuse=False)
+    sizes = counting_forwards(pc)
+    pc.complete(first, max_new_tokens=NEW)
+    assert sizes == [48, 48, 15]
+    hit = pc.complete(second, max_new_tokens=NEW)
+    assert hit.cached_tokens == 96 and same(hit, fresh)
+    assert sizes[3:] == [len(second) - 96]
+
+
+def test_token_resumption_reads_in_large_chunks_and_chats_hit_their_last_turn(tokenizer):  # noqa: F811
+    """``prefix_resume="token"`` reads a prompt in chunks of 256 tokens by default whatever the
+    block (one forward here, where block resumption reads 16-token ones), and each turn of a chat
+    resumes after the whole previous turn — stored though that turn was itself a resumed read —
+    with the same greedy tokens as reuse off."""
+    pc = engine(tokenizer, prefix_resume="token")
+    assert pc.prefix.chunk_size == 256 and pc.prefix.block_size == BLOCK
+    turns = [doc(tokenizer, 41, 77)]
+    for seed in (42, 43, 44):
+        turns.append(turns[-1] + doc(tokenizer, seed, 13))
+    fresh = [pc.complete(t, max_new_tokens=NEW, reuse=False) for t in turns]
+    sizes = counting_forwards(pc)
+    for i, turn in enumerate(turns):
+        got = pc.complete(turn, max_new_tokens=NEW)
+        assert got.token_ids == fresh[i].token_ids
+        assert torch.allclose(got.first_logits, fresh[i].first_logits, atol=1e-4, rtol=0)
+        assert got.cached_tokens == (len(turns[i - 1]) if i else 0)
+    assert sizes == [77, 13, 13, 13]
+    block_mode = engine(tokenizer)
+    block_sizes = counting_forwards(block_mode)
+    block_mode.complete(turns[0], max_new_tokens=NEW)
+    assert block_sizes == [16, 16, 16, 16, 13]
+
+
+def test_rows_of_a_block_another_read_stored_first_are_not_taken_for_it(tokenizer):  # noqa: F811
+    """Token resumption stores what it computes, so two reads of one new prompt race to store its
+    blocks: the second read's rows are not the stored bits (in general: its chunks may be cut
+    elsewhere), and its ``exact_tokens`` says so; block resumption's reads are bitwise equal."""
+    for resume, exact in (("token", 0), ("block", None)):
+        pc = engine(tokenizer, prefix_resume=resume)
+        prompt = doc(tokenizer, 51, 70)
+        with pc.model_lock:
+            first, second = pc.prefix.begin(prompt), pc.prefix.begin(prompt)
+            try:
+                first.advance()
+                second.advance()
+                assert first.prefill().exact_tokens == len(prompt)
+                assert second.prefill().exact_tokens == (len(prompt) if exact is None else exact)
+            finally:
+                first.close()
+                second.close()

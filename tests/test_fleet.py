@@ -242,7 +242,7 @@ def test_two_replicas_behind_the_router(tok, tmp_path):
 
 
 def test_readme_names_what_was_killed_and_the_local_hit_rates():
-    from perf.fleet import table
+    from perf.fleet import prefix_flags, table
 
     opts = asdict(Options())
     row = {"hit_rate": 0.6, "local_hit_rate": 0.5, "ttft_p50_s": 0.1, "ttft_p99_s": 0.4, "requests_per_s": 1.0,
@@ -263,6 +263,9 @@ def test_readme_names_what_was_killed_and_the_local_hit_rates():
     assert "(`promptcache_remote_cluster_node_errors_total`): 7." in text
     result["kill"]["target"] = "replica"
     assert "kv_aware, one replica killed" in table(result) and "the last replica SIGKILLed once 4 of" in table(result)
+    assert "`--prefix-block 16`" in text, "a run recorded before --prefix-resume reads as it ran"
+    result["prefix_flags"] = prefix_flags("token", 256)
+    assert "`--prefix-block 16 --prefix-resume token --prefix-chunk 256`" in table(result)
 
 
 def _cluster_support() -> bool:

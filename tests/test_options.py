@@ -103,7 +103,7 @@ BAD_SETTINGS = [("max_queue", 0), ("max_batch", 0), ("step_tokens", 0), ("lookah
                 ("prefix_block_size", 0), ("matmul", "int3"), ("prefix_resume", "chunk"), ("placement", "paper"),
                 ("kv_budget", "lots"), ("device_budget", -1), ("remote", "http://nowhere"), ("remote_namespace", "a b"),
                 ("device", "bogus"), ("dtype", "int8"), ("store_dir", 3), ("prefix_budget", "lots"),
-                ("prefix_budget", -1)]
+                ("prefix_budget", -1), ("prefix_chunk", 0), ("prefix_chunk", 100)]
 
 
 @pytest.mark.parametrize("field, value", BAD_SETTINGS)
@@ -186,6 +186,7 @@ def test_prefix_budget_bounds_what_the_prefix_cache_keeps(tokenizer):  # noqa: F
     (["serve", "--prefix-budget", "lots"], ("--prefix-budget", "not a size")),
     (["serve", "--lookahead", "-1"], ("--lookahead", ">= 0")),
     (["serve", "--prefix-block", "0"], ("--prefix-block", ">= 1")),
+    (["serve", "--prefix-block", "16", "--prefix-chunk", "40"], ("--prefix-chunk", "multiple of prefix_block_size (16)")),
     (["serve", "--prefix-resume", "chunk"], ("unknown --prefix-resume 'chunk'", "block or token")),
     (["serve", "--matmul", "int3"], ("unknown --matmul 'int3'", "fp32 or bf16")),
     (["serve", "--remote", "http://nowhere"], ("--remote", "scheme")),

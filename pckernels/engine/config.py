@@ -39,6 +39,20 @@ from pckernels.store.tiered import parse_size
 DEFAULT_PREFIX_BLOCK = 256
 """Tokens per block of the engine's exact prefix reuse (``prefix_block_size``)."""
 
+TOKEN_RESUME_CHUNK = 256
+"""Tokens a ``prefix_resume="token"`` engine reads a plain prompt in per forward by default (the
+smallest multiple of the block at least this): with 16-token blocks a 2-core CPU reads a cold
+231-token prompt in 0.77 s in one forward against 2.0 s in 16-token forwards (SmolLM2, one thread)."""
+
+
+def default_prefix_chunk(block: int, resume: str) -> int:
+    """``prefix_chunk`` when none is given: the block (``"block"`` resumption: a hit may resume at
+    every block, bitwise), or the smallest multiple of the block >= :data:`TOKEN_RESUME_CHUNK`
+    (``"token"``: hits resume anywhere, so the chunk need not be the block)."""
+    if resume == "token":
+        return -(-TOKEN_RESUME_CHUNK // block) * block
+    return block
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -60,7 +74,9 @@ class EngineConfig:
     step (0: none).
 
     Reuse: ``prefix_block_size`` tokens per block of plain prompts' prefix reuse,
-    ``prefix_budget`` bytes of them the prefix cache keeps before it evicts (least recently used
+    ``prefix_chunk`` tokens per forward when one is read (a multiple of the block; ``None``:
+    :func:`default_prefix_chunk` — the block with ``"block"`` resumption, >= 256 tokens with
+    ``"token"``), ``prefix_budget`` bytes of them the prefix cache keeps before it evicts (least recently used
     first, full blocks spilling into the store's tiers; ``None``: 1 GiB),
     ``prefix_resume`` (``"block"`` or ``"token"``), ``placement`` of PML schemas that do not say
     (``"compact"`` or ``"schema"``).
@@ -90,6 +106,7 @@ class EngineConfig:
     step_tokens: int = 2048
     lookahead: int = 0
     prefix_block_size: int = DEFAULT_PREFIX_BLOCK
+    prefix_chunk: int | None = None
     prefix_budget: int | str | None = None
     prefix_resume: str = "block"
     placement: str = "compact"
@@ -120,6 +137,12 @@ class EngineConfig:
                             ("prefix_block_size", 1)):
             _count(getattr(self, name), name, least)
         _choice(self.prefix_resume, "prefix_resume", RESUME)
+        if self.prefix_chunk is not None:
+            _count(self.prefix_chunk, "prefix_chunk", 1)
+            if self.prefix_chunk % self.prefix_block_size:
+                raise OptionError("prefix_chunk", self.prefix_chunk, f"a multiple of prefix_block_size "
+                                  f"({self.prefix_block_size})", message=f"prefix_chunk must be a multiple of "
+                                  f"prefix_block_size ({self.prefix_block_size}), got {self.prefix_chunk}")
         _choice(self.placement, "placement", tuple(sorted(PLACEMENTS)))
         graphs = _checked("step_graphs", self.step_graphs, StepGraphs.of)
         if graphs.mode == "captured" and _on_cpu(self.device):

@@ -22,7 +22,7 @@ import torch
 
 from pckernels.engine.arena_runner import ArenaRunner
 from pckernels.engine.blocks import ModuleBlocks
-from pckernels.engine.config import DEFAULT_PREFIX_BLOCK, EngineConfig, engine_config
+from pckernels.engine.config import DEFAULT_PREFIX_BLOCK, EngineConfig, default_prefix_chunk, engine_config
 from pckernels.engine.context import EngineContext
 from pckernels.engine.deviation import DeviationScores
 from pckernels.engine.encoder import ModuleEncoder
@@ -106,10 +106,13 @@ class PromptCache:
 
     ``prefix_block_size``: tokens per block of plain prompts' exact prefix reuse (``complete``;
     default 256): a hit recomputes up to one block less a token; smaller blocks cost the cold
-    read more forwards (``docs/prefix.md``). ``prefix_resume``: ``"block"`` (default: reuse on is
-    bitwise equal to reuse off) or ``"token"`` (attention-only models: a hit also takes the shared
-    tokens of a stored entry past its last full block and reads on from the first new token —
-    equal to reuse off to rounding; what it computes is not stored). ``prefix_budget``: bytes of
+    read more forwards (``docs/prefix.md``) unless ``prefix_chunk`` (tokens per forward of a read,
+    a multiple of the block) is larger. ``prefix_resume``: ``"block"`` (default: a hit resumes at a
+    chunk boundary, reuse on bitwise equal to reuse off; the chunk defaults to the block) or
+    ``"token"`` (attention-only models: a hit resumes after any stored block and also takes the
+    shared tokens of a stored entry past it, reading on from the first new token — equal to reuse
+    off to rounding, what it computes stored too; the chunk defaults to 256 tokens or the
+    smallest multiple of the block above). ``prefix_budget``: bytes of
     blocks the prefix cache keeps (default 1 GiB) before the least recently used leave it for the
     store's tiers — with the store's budgets, what one replica of a fleet holds (``docs/fleet.md``).
 
@@ -169,6 +172,7 @@ class PromptCache:
                               message="prefix_resume='token' needs an attention-only model: recurrent states exist "
                                       "only at the chunk boundaries they were saved at")
         self.prefix_block_size = config.prefix_block_size
+        self.prefix_chunk = config.prefix_chunk or default_prefix_chunk(config.prefix_block_size, config.prefix_resume)
         self.prefix_budget = DEFAULT_BUDGET_BYTES if config.prefix_budget is None else config.prefix_budget
         self.prefix_resume = config.prefix_resume
         store_dir = default_store_dir() if config.store_dir is True else config.store_dir
@@ -379,7 +383,8 @@ class PromptCache:
         is the batched way."""
         with self._prefix_lock:
             if self._prefix is None:
-                options = dict(block_size=self.prefix_block_size, budget_bytes=self.prefix_budget,
+                options = dict(block_size=self.prefix_block_size, chunk_size=self.prefix_chunk,
+                               budget_bytes=self.prefix_budget,
                                spill=self.store, spill_model_id=self.model_id,
                                resume=self.prefix_resume,
                                events=self.kv_events.ledger if self.kv_events is not None else None)

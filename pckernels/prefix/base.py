@@ -31,7 +31,9 @@ class PrefixMatch:
     reader holds from eviction (the last of ``chain`` at first, then each block it inserts);
     release it when done. ``partial`` / ``partial_tokens``: with token-granular resumption, a
     stored entry after the chain whose first ``partial_tokens`` tokens are the prompt's next ones
-    (held as well: release ``partial`` too).
+    (held as well: release ``partial`` too). ``foreign``: with token-granular resumption, the first
+    prompt token from which the reader's cache may hold other bits than the store (a block it
+    computed was already stored, by a reader whose chunks were cut elsewhere); None: nowhere.
     """
 
     num_tokens: int
@@ -43,6 +45,7 @@ class PrefixMatch:
     held: CachedEntry | None = None
     partial: CachedEntry | None = None
     partial_tokens: int = 0
+    foreign: int | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -95,8 +98,8 @@ class Prefill:
     """What a prefill leaves behind: ``logits`` ``[vocab]`` of the last prompt token, the cache
     holding the prompt's states, how many prompt tokens were restored rather than computed,
     ``mode``: ``"prefix"`` (the store was used) or ``"uncached"``, and ``exact_tokens``: the
-    leading tokens whose states are bitwise those of a cold read (all of them, unless the prefill
-    resumed within a stored entry, token-granular)."""
+    leading tokens whose states are bitwise the stored blocks' for the prompt's keys (all of them,
+    unless, token-granular, a block this prefill computed had been stored by another first)."""
 
     logits: torch.Tensor
     cache: object

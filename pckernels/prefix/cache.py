@@ -81,10 +81,12 @@ class PrefixCache(BasePrefixCache):
     to generate at.
 
     ``resume``: ``"block"`` (default) resumes a prefill only at a chunk boundary, so reuse on is
-    bitwise equal to reuse off; ``"token"`` (attention-only models) also takes the leading tokens
-    of a stored entry that the prompt shares beyond its last full matching block, and reads on
-    from the first new token — equal to reuse off to rounding (the chunks after it are cut
-    elsewhere), so what such a prefill computes is not stored.
+    bitwise equal to reuse off; ``"token"`` (attention-only models) resumes after any stored block,
+    and also takes the leading tokens of a stored entry that the prompt shares beyond its last
+    full matching block, then reads on from the first new token in ``chunk_size`` pieces — equal
+    to reuse off to rounding (its chunks are cut elsewhere than a cold read's). What it computes
+    is stored as well (as vLLM's and SGLang's prefix caches do), so a block's bits are those of
+    whichever read stored it first: every hit stays equal to reuse off to rounding.
 
     ``events``: a KV-event :class:`~pckernels.store.events.BlockLedger` told which full blocks this
     cache's memory gains and loses (medium ``GPU``; ``docs/kv-events.md``); ``None``: off.
@@ -426,7 +428,8 @@ class PrefixCache(BasePrefixCache):
         follows the deepest stored entry of the prompt."""
         block = self.block_size
         recurrent = self.states.has_recurrent_layers
-        for block_start in range(chunk_start, chunk_end - block + 1, block):
+        # a token-granular resume starts mid-block: its first block's head was restored, not read
+        for block_start in range(chunk_start // block * block, chunk_end - block + 1, block):
             block_end = block_start + block
             at_boundary = recurrent and block_end % self.chunk_size == 0
             entry = CachedEntry(
@@ -457,6 +460,8 @@ class PrefixCache(BasePrefixCache):
         """Store ``entry`` (held on insertion) and drop this reader's hold on its parent."""
         with self._lock:
             stored = self._store.insert(entry)
+            if stored is not entry and self.resume == "token" and found.foreign is None:
+                found.foreign = entry.start
             previous, found.held = found.held, stored
             self._store.release(previous)
 

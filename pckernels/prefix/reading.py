@@ -7,9 +7,11 @@ boundaries as a prefill from scratch, storing each full block (and, with it, the
 snapshot at its end) and finally the prompt end. A caller that interleaves prompts with other
 work (the engine's scheduler) advances it a few chunks per step; :meth:`PrefixCache.prefill`
 advances it to the end at once. Either way the chunks, and so the bits, are the same. A reading
-that resumed within a stored entry (token-granular resumption, ``PrefixCache(resume="token")``)
-reads on from the first new token and stores nothing: its chunks are cut elsewhere than a cold
-read's, so its states equal those only to rounding.
+that resumed off a chunk boundary or within a stored entry (token-granular resumption,
+``PrefixCache(resume="token")``) reads on from the first new token in ``chunk_size`` pieces: its
+chunks are cut elsewhere than a cold read's, so its states equal those only to rounding; the
+blocks and prompt end it completes are stored all the same (a later turn of a chat resumes after
+them).
 :meth:`Reading.close` lets go of what it holds; a reading closed before its end stores what it
 completed and nothing else.
 """
@@ -71,8 +73,8 @@ class Reading:
         try:
             self.cache = owner.states.new_cache(into)
             found = self.found
-            self.stores = found is not None and found.partial is None
-            """Whether what this reading computes is stored (not after a token-granular resume)."""
+            self.stores = found is not None
+            """Whether what this reading computes is stored (reuse on)."""
             if found is not None and (found.chain or found.partial is not None):
                 pieces = [entry.kv for entry in found.chain]
                 if found.partial is not None:
@@ -135,5 +137,6 @@ class Reading:
 
     def prefill(self) -> Prefill:
         """The finished reading as a :class:`~pckernels.prefix.base.Prefill`."""
-        exact = self.num_tokens if self.found is None or self.stores else self.cached_tokens - self.found.partial_tokens
+        found = self.found
+        exact = self.num_tokens if found is None or found.foreign is None else found.foreign
         return Prefill(self.logits, self.cache, self.cached_tokens, self.mode, exact)
