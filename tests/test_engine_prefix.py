@@ -108,8 +108,12 @@ def test_rows_left_by_the_last_reader_are_reused_in_place(tokenizer):  # noqa: F
     assert same(hit, fresh[1]), "rows another request wrote were taken for the blocks they held before"
 
 
-def test_spilled_blocks_come_back_bitwise(tokenizer):  # noqa: F811
-    pc = engine(tokenizer)
+@pytest.mark.parametrize("resume", ["block", "token"])
+def test_spilled_blocks_come_back_bitwise(tokenizer, resume):  # noqa: F811
+    """Blocks evicted to the store are read back for a hit: every block short of the prompt's end
+    with token resumption (its 256-token chunk notwithstanding), bitwise reuse off with block
+    resumption (to rounding with token)."""
+    pc = engine(tokenizer, prefix_resume=resume)
     base = doc(tokenizer, 8)
     prompt = base + doc(tokenizer, 9, 6)
     fresh = pc.complete(prompt, max_new_tokens=NEW, reuse=False)
@@ -118,8 +122,13 @@ def test_spilled_blocks_come_back_bitwise(tokenizer):  # noqa: F811
     prefix.evict(prefix.stats()["bytes"])
     assert prefix.stats()["entries"] == 0 and prefix.stats()["spilled_blocks"] > 0
     hit = pc.complete(prompt, max_new_tokens=NEW)
-    assert prefix.stats()["restored_blocks"] > 0 and hit.cached_tokens > 0
-    assert same(hit, fresh)
+    assert prefix.stats()["restored_blocks"] == len(base) // BLOCK
+    assert hit.cached_tokens == len(base) // BLOCK * BLOCK
+    if resume == "block":
+        assert same(hit, fresh)
+    else:
+        assert hit.token_ids == fresh.token_ids
+        assert torch.allclose(hit.first_logits, fresh.first_logits, atol=1e-4, rtol=0)
 
 
 def test_engine_blocks_are_not_a_standalone_prefix_cache_s(tokenizer):  # noqa: F811

@@ -380,11 +380,13 @@ class PrefixCache(BasePrefixCache):
         """Continue ``matched`` (the in-memory chain of ``keys``) with blocks from the spill store.
 
         Only blocks a prefill can resume after are read: those ending at or before the last chunk
-        boundary short of ``num_tokens``. Each is inserted into the memory store; the deepest one
+        boundary short of ``num_tokens`` (any block short of it with token resumption). Each is
+        inserted into the memory store; the deepest one
         is returned acquired (the caller releases it), its ancestors held through their children.
         Call with the lock held.
         """
-        usable_blocks = (num_tokens - 1) // self.chunk_size * self.chunk_size // self.block_size
+        step = self.block_size if self.resume == "token" else self.chunk_size
+        usable_blocks = (num_tokens - 1) // step * step // self.block_size
         restored: list[CachedEntry] = []
         if self.spill is None:
             return restored
