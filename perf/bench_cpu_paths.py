@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from perf.suite.peer import DocumentCopies
 from perf.suite.runner import cpu_isa, cpu_model, machine_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -101,6 +102,7 @@ def engine_rounds(engine, paths: list[str], context: int, repeats: int, cold_rep
     native = engine.adapter.native
     tokens: dict[str, dict[str, list]] = {}
     state = {"round": 0}
+    copies = DocumentCopies(engine, ids[0])  # each path (and cycle of questions) asks under a salt of its own
 
     def keep(path, name, value):
         tokens.setdefault(name, {}).setdefault(path, []).append(value)
@@ -110,15 +112,18 @@ def engine_rounds(engine, paths: list[str], context: int, repeats: int, cold_rep
         out = {}
         if state["round"] < cold_repeats * len(paths):
             engine.prefix.clear()
+            copies.cleared()
             out["cold prefill s"] = engine.complete(ids[0], max_new_tokens=1, reuse=False).ttft_s
-            engine.complete(ids[0], max_new_tokens=1)  # the document's rows back in the prefix cache
-        question = 1 + (state["round"] // len(paths)) % (len(QUESTIONS) - 1)
+        group = state["round"] // len(paths)
+        question = 1 + group % (len(QUESTIONS) - 1)
+        salt = copies.salt(f"{path} {group // (len(QUESTIONS) - 1)}")
         state["round"] += 1
         t0 = time.process_time()
         module = engine.generate(prompts[question], max_new_tokens=1)
         t1 = time.process_time()
-        plain = engine.complete(ids[question], max_new_tokens=1)
+        plain = engine.complete(ids[question], max_new_tokens=1, salt=salt)
         t2 = time.process_time()
+        copies.check(plain, ids[question])
         out["hit module ms"] = ((t1 - t0) if cpu_clock else module.ttft_s) * 1e3
         out["hit plain, token resume ms"] = ((t2 - t1) if cpu_clock else plain.ttft_s) * 1e3
         keep(path, f"first token q{question}", [module.token_ids[0], plain.token_ids[0]])

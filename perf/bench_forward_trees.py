@@ -59,6 +59,8 @@ if engine_on:
     ids = [list(engine.resolve(p).token_ids) for p in prompts]
     engine.complete(ids[0], max_new_tokens=1)  # the document's rows in the prefix cache
     engine.generate(prompts[0], max_new_tokens=1)
+    from perf.suite.peer import DocumentCopies
+    copies = DocumentCopies(engine, ids[0])  # a cycle of the questions asks under a salt of its own
 torch.set_num_threads(threads)
 print(json.dumps({"ready": d.cpu_path}), flush=True)
 for n, line in enumerate(sys.stdin):
@@ -76,7 +78,9 @@ for n, line in enumerate(sys.stdin):
     if engine_on:
         q = 1 + n % (len(QUESTIONS) - 1)
         out["hit module ms"] = engine.generate(prompts[q], max_new_tokens=1).ttft_s * 1e3
-        out["hit plain, token resume ms"] = engine.complete(ids[q], max_new_tokens=1).ttft_s * 1e3
+        plain = engine.complete(ids[q], max_new_tokens=1, salt=copies.salt(f"cycle {n // (len(QUESTIONS) - 1)}" if n >= len(QUESTIONS) - 1 else ""))
+        copies.check(plain, ids[q])
+        out["hit plain, token resume ms"] = plain.ttft_s * 1e3
         decoded = engine.generate(prompts[-1], max_new_tokens=16)
         out["decode tok/s"] = (len(decoded.token_ids) - 1) / max(decoded.total_s - decoded.ttft_s, 1e-9)
         out["decoded"] = decoded.token_ids

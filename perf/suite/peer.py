@@ -48,6 +48,35 @@ DECODE_INSTRUCTION = "List every year mentioned in the chronicle with the town a
 FREE_INSTRUCTION = "Write a short poem about the sea."
 
 
+class DocumentCopies:
+    """The document read into ``engine``'s prefix cache once per salt, untimed, so that a plain
+    hit can be asked a question no earlier round stored: an engine with token resumption stores
+    what a hit computes, so a question asked again under the same salt (by another CPU path, or
+    a later cycle of the questions) would be an exact repeat, no forward at all. ``ids``: the
+    document's prompt (any question after it)."""
+
+    def __init__(self, engine, ids: list[int]) -> None:
+        self.engine, self.ids, self.loaded = engine, ids, {""}
+
+    def salt(self, name: str) -> str:
+        """``name``, the document read under it first if it was not (``""``: read by the caller)."""
+        if name not in self.loaded:
+            self.engine.complete(self.ids, max_new_tokens=1, salt=name)
+            self.loaded.add(name)
+        return name
+
+    def cleared(self) -> None:
+        """The prefix cache was cleared: every salt's copy is gone (``""`` too)."""
+        self.loaded = set()
+
+    def check(self, hit, question_ids: list[int]) -> None:
+        """Refuse a plain hit that restored the question too (an exact repeat) or not the document
+        (evicted: a cold read) — either would be timed as what it is not."""
+        if not len(self.ids) // 2 < hit.cached_tokens < len(question_ids):
+            raise RuntimeError(f"a plain hit restored {hit.cached_tokens} of {len(question_ids)} tokens: not a new "
+                               f"question over the {len(self.ids)}-token document")
+
+
 def steps(bench: Bench) -> int:
     cfg = bench.config
     return len(cfg.peer_contexts) * cfg.repeats * 5
@@ -177,15 +206,19 @@ def _context(bench: Bench, python: str, models: dict, setups: dict, context: int
             bench.ticker.advance()
         engine.complete(ids[0], max_new_tokens=1)
         engine.generate(prompts[0], max_new_tokens=1)
+        copies = DocumentCopies(engine, ids[0])
         for round_index in range(cfg.repeats):
             question = 2 + round_index % (len(QUESTIONS) - 2)
+            cycle = round_index // (len(QUESTIONS) - 2)
+            salt = copies.salt(f"cycle {cycle}" if cycle else "")
             hits = peers.each(lambda p: p.hit(ids[question]))
             for label, answer in hits.items():
                 add(f"hit/{label}", answer["seconds"])
             bench.ticker.advance()
             module = engine.generate(prompts[question], max_new_tokens=1)
             add("hit/promptcache module", module.ttft_s)
-            plain = engine.complete(ids[question], max_new_tokens=1)
+            plain = engine.complete(ids[question], max_new_tokens=1, salt=salt)
+            copies.check(plain, ids[question])
             add("hit/promptcache prefix", plain.ttft_s)
             reference = hits.get("llama.cpp f32", {}).get("token")
             agree.append(module.token_ids[0] == plain.token_ids[0] == reference)
