@@ -51,19 +51,23 @@ class LocalRedis:
     server on the same port. Use as a context manager or call ``stop``.
     """
 
-    def __init__(self, port: int | None = None, extra: list[str] | None = None, dir: str | None = None) -> None:
+    def __init__(self, port: int | None = None, extra: list[str] | None = None, dir: str | None = None,
+                 password: str | None = None) -> None:
         binary = server_binary()
         if binary is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
         self.binary = binary
         self.port = port or free_port()
-        self.extra = list(extra or [])
+        self.password = password
+        """``requirepass`` (and ``masterauth``, for a cluster's replicas) when given; the URL carries it."""
+        self.extra = list(extra or []) + (["--requirepass", password, "--masterauth", password] if password else [])
         self.dir = dir or tempfile.mkdtemp(prefix="promptcache-redis-")
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "LocalRedis":
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -78,7 +82,7 @@ class LocalRedis:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         return self
             except OSError:
                 time.sleep(0.05)
@@ -128,7 +132,7 @@ class LocalRedisCluster:
     """
 
     def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000, full_coverage: bool = False,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, password: str | None = None) -> None:
         cli = cli_binary()
         if cli is None:
             raise FileNotFoundError("redis-cli is not installed (apt-get install redis-tools)")
@@ -143,12 +147,15 @@ class LocalRedisCluster:
             node_dir = os.path.join(self.dir, f"node{i}")
             os.makedirs(node_dir)
             # The cluster bus port is set (Redis >= 7): the default, port + 10000, may be taken or past 65535.
-            self.nodes.append(LocalRedis(extra=[*args, "--cluster-port", str(free_port())], dir=node_dir))
+            self.nodes.append(LocalRedis(extra=[*args, "--cluster-port", str(free_port())], dir=node_dir,
+                                         password=password))
+        self.password = password
 
     @property
     def url(self) -> str:
-        """The explicit cluster URL naming every node."""
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        """The explicit cluster URL naming every node (with the password, when the nodes require one)."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis+cluster://{auth}" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def node_url(self, i: int = 0) -> str:
         """A plain ``redis://`` URL of node ``i`` (cluster mode is detected from it)."""
@@ -160,7 +167,8 @@ class LocalRedisCluster:
             for node in self.nodes:
                 node.start()
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
-            done = subprocess.run([self.cli, "--cluster", "create", *addresses,
+            auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+            done = subprocess.run([self.cli, *auth, "--cluster", "create", *addresses,
                                    "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                                   capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
             if done.returncode != 0:
@@ -211,7 +219,8 @@ class LocalRedisCluster:
         """A ``redis.cluster.RedisCluster`` on this cluster (tests inspect keys with it)."""
         from redis.cluster import ClusterNode, RedisCluster
 
-        return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in self.nodes], **options)
+        return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in self.nodes],
+                            password=self.password, **options)
 
     def node_of(self, key: str | bytes, client=None) -> int:
         """Index of the node (the master) that holds ``key``'s slot, by the slot map of ``client`` (a
