@@ -103,6 +103,23 @@ def test_decoding_many_streams_waits_once_per_step(engine):
     assert seen[1] == seen[8]
 
 
+def test_a_plain_prompt_waits_only_for_its_readouts_cold_or_hit(engine):
+    """Plain prompts (exact prefix reuse read into arena rows, the server's chats): read cold or
+    resumed after stored blocks, 100 or 1,000 tokens, a request waits for its step readouts only —
+    its ids and rows go to the device from pinned memory."""
+    seen = {}
+    for tokens in (100, 1000):
+        base = [(7 * i) % 200 + 5 for i in range(tokens)]
+        engine.complete(base, max_new_tokens=1)  # its blocks stored
+        for label, ids in (("cold", [(13 * i + tokens) % 200 + 5 for i in range(tokens)]),
+                           ("hit", base[:-3] + [9, 9, 9])):
+            counter, steps = counted(engine, [engine.complete_request(ids, max_new_tokens=4)])
+            assert steps >= 4 and counter.readouts == steps
+            assert counter.count <= SYNCS_PER_STEP * steps, (label, tokens, counter.where)
+            seen[tokens, label] = counter.count
+    assert len(set(seen.values())) == 1, seen
+
+
 def test_the_counter_sees_what_would_wait():
     """The counter itself: each construct counted once, only outside the opening thread."""
     import threading
@@ -121,8 +138,9 @@ def test_the_counter_sees_what_would_wait():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_request_on_cuda_makes_no_hidden_sync(tokenizer, monkeypatch):  # noqa: F811
-    """One request under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call but
-    the step's readout raises in the scheduler thread and fails the request."""
+    """A PML request and two plain prompts (a hit and a cold read) under
+    ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call but the step's readout
+    raises in the scheduler thread and fails the request."""
     from pckernels.engine import graphs
 
     def allowed(original):
@@ -141,14 +159,17 @@ def test_a_request_on_cuda_makes_no_hidden_sync(tokenizer, monkeypatch):  # noqa
     pc.evict_resident()
     monkeypatch.setattr(graphs, "readout", allowed(graphs.readout))
     monkeypatch.setattr(graphs.StaticStep, "_capture", allowed(graphs.StaticStep._capture))
-    request = pc.request(prompt(100), max_new_tokens=6)
+    base = [(7 * i) % 200 + 5 for i in range(300)]
+    pc.complete(base, max_new_tokens=1)  # a plain prompt's blocks stored
+    requests = [pc.request(prompt(100), max_new_tokens=6), pc.complete_request(base[:-3] + [9, 9, 9], max_new_tokens=6),
+                pc.complete_request([(13 * i) % 200 + 5 for i in range(300)], max_new_tokens=6)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        result = pc.submit(request).result()
+        results = [pc.submit(r).result() for r in requests]
     finally:
         torch.cuda.set_sync_debug_mode(0)
         pc.close()
-    assert len(result.token_ids) == 6
+    assert [len(r.token_ids) for r in results] == [6, 6, 6]
     static = pc.scheduler.runner.static
     assert static is not None and static.failed is None and static.replays > 0

@@ -213,7 +213,7 @@ class Placer:
             exact = prefill.exact_tokens if prefill.exact_tokens is not None else n
             keys = active.prompt_keys or prefix.chain_keys(active.new_tokens, active.request.prefix.salt)
             active.prefix_blocks = (keys[:exact // prefix.block_size], run[0], prefix.block_size)
-        rows = torch.tensor(active.rows[:n], dtype=torch.long, device=device)
+        rows = stage(active.rows[:n], torch.long, device)
         if run is None and n:
             self.counters["prefix_rows_moved"] += 1
             self.arena.data.index_copy_(3, rows, prefill.cache.buffer.data[:, :, :, :n])

@@ -213,7 +213,7 @@ class ModelAdapter:
         ``[k, vocab]`` for the token indices ``keep [k]`` when given (a packed batch)."""
         if self.native is not None and attention is not None and getattr(cache, "buffer", None) is not None:
             if keep is None and last_logits_only:
-                keep = torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
+                keep = torch.tensor([input_ids.shape[1] - 1]).to(input_ids.device, non_blocking=True)
             return self.native.forward(input_ids[0], position_ids[0], attention, cache, keep)
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if keep is not None:

@@ -62,7 +62,9 @@ class Reading:
         self.owner = owner
         self.prompt_ids = list(prompt_ids)
         self.num_tokens = len(prompt_ids)
-        self.ids = torch.tensor([prompt_ids], dtype=torch.long, device=owner.device)
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        # to a GPU from pinned memory, without making the host wait (nothing to copy on the CPU)
+        self.ids = ids if owner.device.type == "cpu" else ids.pin_memory().to(owner.device, non_blocking=True)
         self.use_store = reuse and owner.refusal is None
         self.chunk = owner.chunk_size if owner.refusal is None else self.num_tokens
         self.mode = "prefix" if self.use_store else "uncached"
