@@ -116,7 +116,7 @@ def engine_rounds(engine, paths: list[str], context: int, repeats: int, cold_rep
             out["cold prefill s"] = engine.complete(ids[0], max_new_tokens=1, reuse=False).ttft_s
         group = state["round"] // len(paths)
         question = 1 + group % (len(QUESTIONS) - 1)
-        salt = copies.salt(f"{path} {group // (len(QUESTIONS) - 1)}")
+        salt = copies.cycle(group, len(QUESTIONS) - 1, tag=path)
         state["round"] += 1
         t0 = time.process_time()
         module = engine.generate(prompts[question], max_new_tokens=1)

@@ -78,7 +78,7 @@ for n, line in enumerate(sys.stdin):
     if engine_on:
         q = 1 + n % (len(QUESTIONS) - 1)
         out["hit module ms"] = engine.generate(prompts[q], max_new_tokens=1).ttft_s * 1e3
-        plain = engine.complete(ids[q], max_new_tokens=1, salt=copies.salt(f"cycle {n // (len(QUESTIONS) - 1)}" if n >= len(QUESTIONS) - 1 else ""))
+        plain = engine.complete(ids[q], max_new_tokens=1, salt=copies.cycle(n, len(QUESTIONS) - 1))
         copies.check(plain, ids[q])
         out["hit plain, token resume ms"] = plain.ttft_s * 1e3
         decoded = engine.generate(prompts[-1], max_new_tokens=16)

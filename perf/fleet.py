@@ -532,17 +532,18 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
+    replica_prefix = prefix_flags(args.prefix_resume, args.prefix_chunk)
     result: dict = {"argv": sys.argv[1:], "options": asdict(opts), "replicas": args.replicas,
                     "remote": not args.no_remote, "cluster": args.cluster, "kill_target": args.kill_target,
                     "replica_budget": args.replica_budget, "kv_aware_args": args.kv_aware_args,
-                    "prefix_flags": prefix_flags(args.prefix_resume, args.prefix_chunk),
+                    "prefix_flags": replica_prefix,
                     "router": _router_version(binary), "policies": {}}
     t_all = time.perf_counter()
     runs = ["reference", *args.policies] + (["kill"] if args.kill and args.replicas >= 2 else [])
     keys = {f"perf-fleet-{run}-key": f"run-{run}" for run in runs}
     # one fleet: the routed replicas plus one more for the reference, every run its own tenant
     fleet = Fleet(args.replicas + 1, not args.no_remote, logs, keys, routed=args.replicas, cluster=args.cluster,
-                  budget=args.replica_budget, prefix=prefix_flags(args.prefix_resume, args.prefix_chunk))
+                  budget=args.replica_budget, prefix=replica_prefix)
     try:
         row = measure(fleet, fleet.urls[-1], convs, opts, args.limit, "perf-fleet-reference-key")
         reference = {(r["conv"], r["turn"]): r["answer"] for r in row["records"] if r["ok"]}

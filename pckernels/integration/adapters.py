@@ -27,6 +27,7 @@ from pckernels.errors import UnsupportedModelError
 from pckernels.integration.attention import (AttentionSpec, ForwardState, KVLayout, QUERY_CHUNK, forward_state,
                                              select_attention, windowed_bias)
 from pckernels.integration.linear import apply_fast_linear
+from pckernels.kernels._common import to_device
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ class ModelAdapter:
         ``[k, vocab]`` for the token indices ``keep [k]`` when given (a packed batch)."""
         if self.native is not None and attention is not None and getattr(cache, "buffer", None) is not None:
             if keep is None and last_logits_only:
-                keep = torch.tensor([input_ids.shape[1] - 1]).to(input_ids.device, non_blocking=True)
+                keep = to_device(torch.tensor([input_ids.shape[1] - 1]), input_ids.device)
             return self.native.forward(input_ids[0], position_ids[0], attention, cache, keep)
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
         if keep is not None:

@@ -28,6 +28,16 @@ _choices: dict[tuple, bool] = {}
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: a host tensor bound for CUDA goes through pinned memory, ``non_blocking``
+    (no host wait); one already there is returned as is (nothing copied on the CPU)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def launch_counts() -> dict[str, int]:
     """How many times each Triton kernel was launched from Python (eager launches only)."""
     with _lock:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from pckernels.kernels._align import ALIGN_BYTES, kernel_strides, rows_aligned
-from pckernels.kernels._common import INTERPRET
+from pckernels.kernels._common import INTERPRET, to_device
 from pckernels.kernels.gather_concat import check_table_host
 
 try:
@@ -37,19 +37,7 @@ RUN_BYTES = 16384
 def stage(values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device``; on CUDA staged in pinned host memory and copied
     ``non_blocking`` (the caching host allocator keeps the page until the copy has run)."""
-    host = torch.frombuffer(array.array("q", values), dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``: a host tensor bound for CUDA goes through pinned memory, ``non_blocking``."""
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device(torch.frombuffer(array.array("q", values), dtype=torch.int64), device)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from pckernels.kernels._common import to_device
 from pckernels.prefix.base import Prefill, PrefixMatch, PromptRows
 from pckernels.prefix.blocks import head_kv
 
@@ -62,9 +63,7 @@ class Reading:
         self.owner = owner
         self.prompt_ids = list(prompt_ids)
         self.num_tokens = len(prompt_ids)
-        ids = torch.tensor([prompt_ids], dtype=torch.long)
-        # to a GPU from pinned memory, without making the host wait (nothing to copy on the CPU)
-        self.ids = ids if owner.device.type == "cpu" else ids.pin_memory().to(owner.device, non_blocking=True)
+        self.ids = to_device(torch.tensor([prompt_ids], dtype=torch.long), owner.device)
         self.use_store = reuse and owner.refusal is None
         self.chunk = owner.chunk_size if owner.refusal is None else self.num_tokens
         self.mode = "prefix" if self.use_store else "uncached"
@@ -75,8 +74,6 @@ class Reading:
         try:
             self.cache = owner.states.new_cache(into)
             found = self.found
-            self.stores = found is not None
-            """Whether what this reading computes is stored (reuse on)."""
             if found is not None and (found.chain or found.partial is not None):
                 pieces = [entry.kv for entry in found.chain]
                 if found.partial is not None:
@@ -114,12 +111,12 @@ class Reading:
                 start = self.position
                 end = min(start + self.chunk, self.num_tokens)
                 logits = owner.forward_chunk(self.cache, self.ids[:, start:end], start)
-                if self.stores:
+                if self.use_store:
                     owner.store_blocks(self.found, self.prompt_ids, self.cache, start, end)
                 self.position = end
                 read += end - start
                 if end == self.num_tokens:
-                    if self.stores:
+                    if self.use_store:
                         owner.store_end(self.found, self.prompt_ids, self.cache, logits)
                     self.logits = logits
         return self.done

@@ -65,6 +65,11 @@ class DocumentCopies:
             self.loaded.add(name)
         return name
 
+    def cycle(self, index: int, period: int, tag: str = "") -> str:
+        """The salt of round ``index`` when the questions repeat every ``period`` rounds: one per
+        cycle (and ``tag``, e.g. a CPU path); the first cycle untagged is ``""``."""
+        return self.salt(f"{tag} {index // period}".strip() if tag or index >= period else "")
+
     def cleared(self) -> None:
         """The prefix cache was cleared: every salt's copy is gone (``""`` too)."""
         self.loaded = set()
@@ -209,8 +214,7 @@ def _context(bench: Bench, python: str, models: dict, setups: dict, context: int
         copies = DocumentCopies(engine, ids[0])
         for round_index in range(cfg.repeats):
             question = 2 + round_index % (len(QUESTIONS) - 2)
-            cycle = round_index // (len(QUESTIONS) - 2)
-            salt = copies.salt(f"cycle {cycle}" if cycle else "")
+            salt = copies.cycle(round_index, len(QUESTIONS) - 2)
             hits = peers.each(lambda p: p.hit(ids[question]))
             for label, answer in hits.items():
                 add(f"hit/{label}", answer["seconds"])

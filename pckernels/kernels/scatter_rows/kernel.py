@@ -17,8 +17,7 @@ import triton
 import triton.language as tl
 
 from pckernels.kernels._align import ALIGN_BYTES, kernel_strides, rows_aligned
-from pckernels.kernels._common import count_launch, next_pow2, warps_for
-from pckernels.kernels._triton_common import to_device
+from pckernels.kernels._common import count_launch, next_pow2, to_device, warps_for
 
 TILE = 4096
 
