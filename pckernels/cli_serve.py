@@ -67,6 +67,9 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
           remote_namespace: str = typer.Option("promptcache", help="Key prefix in the --remote server."),
           max_queue: int = typer.Option(256, help="Requests that may wait; more get 429."),
           max_batch: int = typer.Option(64, help="Requests decoded together."),
+          step_tokens: int = typer.Option(2048, help="Prompt tokens a scheduler step reads at most, across every "
+                                                     "prompt being read (oldest first); lower: shorter gaps "
+                                                     "between a stream's tokens while long prompts are read."),
           request_timeout: float = typer.Option(600.0, min=0.0, help="Default deadline of a request in seconds "
                                                                      "(0: none)."),
           max_tokens: int = typer.Option(512, min=1, help="Tokens a chat request may generate when it says none."),
@@ -132,7 +135,7 @@ def serve(model: str = typer.Option("smollm2", help=MODEL_HELP),
     config = engine_settings(model, device=device, dtype=dtype, matmul=matmul, store_dir=store,
                              device_budget=device_budget, host_budget=host_budget, disk_budget=disk_budget,
                              remote=remote, remote_namespace=remote_namespace, kv_budget=kv_budget,
-                             max_queue=max_queue, max_batch=max_batch, lookahead=lookahead,
+                             max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens, lookahead=lookahead,
                              prefix_block_size=prefix_block, prefix_chunk=prefix_chunk,
                              prefix_budget=prefix_budget,
                              prefix_resume=prefix_resume, placement=placement,

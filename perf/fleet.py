@@ -271,14 +271,17 @@ def router_binary(given: str | None) -> str | None:
     return None
 
 
-def prefix_flags(resume: str = "block", chunk: int | None = None) -> list[str]:
+def prefix_flags(resume: str = "block", chunk: int | None = None, step_tokens: int | None = None) -> list[str]:
     """``serve`` flags of the replicas' prefix reuse: ``--prefix-block`` (the router's block size),
-    and where a hit resumes and how many tokens a cold read takes per forward when not the defaults."""
+    and where a hit resumes, how many tokens a cold read takes per forward and a scheduler step at
+    most, when not the defaults."""
     flags = ["--prefix-block", str(BLOCK)]
     if resume != "block":
         flags += ["--prefix-resume", resume]
     if chunk is not None:
         flags += ["--prefix-chunk", str(chunk)]
+    if step_tokens is not None:
+        flags += ["--step-tokens", str(step_tokens)]
     return flags
 
 
@@ -501,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the replicas' --prefix-resume: block (bitwise hits, cold prompts read in 16-token "
                          "forwards) or token (hits equal to rounding, cold prompts read in 256-token forwards)")
     ap.add_argument("--prefix-chunk", type=int, help="the replicas' --prefix-chunk (default: the server's)")
+    ap.add_argument("--step-tokens", type=int, help="the replicas' --step-tokens (default: the server's)")
     ap.add_argument("--kill-target", choices=("replica", "master"), default="replica",
                     help="what the kill run SIGKILLs: the last replica, or a cluster master (--cluster)")
     ap.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
@@ -532,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
-    replica_prefix = prefix_flags(args.prefix_resume, args.prefix_chunk)
+    replica_prefix = prefix_flags(args.prefix_resume, args.prefix_chunk, args.step_tokens)
     result: dict = {"argv": sys.argv[1:], "options": asdict(opts), "replicas": args.replicas,
                     "remote": not args.no_remote, "cluster": args.cluster, "kill_target": args.kill_target,
                     "replica_budget": args.replica_budget, "kv_aware_args": args.kv_aware_args,

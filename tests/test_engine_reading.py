@@ -5,7 +5,8 @@ chunks, at most ``step_tokens`` prompt tokens per step across every reader (olde
 chunk a forward of its own over the prompt's rows as a cold read does it — so the answer is
 bitwise the one read alone and the one read without reuse, while requests already decoding emit a
 token every step. A request cancelled while its prompt is read stops between two chunks and gives
-its rows back.
+its rows back. Each prompt chooses its first token the moment it is read, not after the step's
+other prompts (``runner.Emit``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from types import SimpleNamespace
 
+from pckernels.engine import arena_runner
 from pckernels.engine.runner import PromptBudget
 from pckernels.engine.step import plan_step
 from pckernels.errors import RequestCancelled
@@ -78,11 +80,11 @@ def trace_steps(pc, long_handle) -> list:
     step = runner.step
     log = []
 
-    def traced(running, step_tokens, drafts):
+    def traced(running, step_tokens, drafts, emit):
         reading = next((a.reading for a in running if a.handle is long_handle), None)
         log.append((None if reading is None else reading.position,
                     {a.handle.id: len(a.token_ids) for a in running if a.handle is not long_handle}))
-        return step(running, step_tokens, drafts)
+        return step(running, step_tokens, drafts, emit)
 
     runner.step = traced
     return log
@@ -163,3 +165,77 @@ def test_many_threads_reading_long_prompts_equal_the_serial_answers(tokenizer): 
         assert same(first, serial[i]) and same(second, serial[(i + 1) % 6])
     assert pc.scheduler.arena.referenced_rows() == 0
     assert sum(n for size, n in pc.scheduler.batch_sizes.items() if size > 1) > 0
+
+
+def trace_outputs(pc, runner_module, monkeypatch) -> list:
+    """What ``pc``'s scheduler does, in order: ``("step",)`` as a step starts, ``("read", id)`` as a
+    request reads its share of the step, ``("first", id)`` / ``("token", id)`` as the scheduler
+    chooses from a prompt's first logits / a decode item's (``runner_module``: the runner's
+    module, whose ``read_prompt`` is traced)."""
+    scheduler = pc.scheduler
+    runner = scheduler.runner
+    step, output, read = runner.step, scheduler._output, runner_module.read_prompt
+    events = []
+
+    def traced_step(*args):
+        events.append(("step",))
+        return step(*args)
+
+    def traced_output(out, ended):
+        events.append(("first" if out.tokens is None else "token", out.active.handle.id))
+        output(out, ended)
+
+    def traced_read(active, tokens):
+        events.append(("read", active.handle.id))
+        return read(active, tokens)
+
+    monkeypatch.setattr(runner, "step", traced_step)
+    monkeypatch.setattr(scheduler, "_output", traced_output)
+    monkeypatch.setattr(runner_module, "read_prompt", traced_read)
+    return events
+
+
+def step_of(events: list, event: tuple) -> list:
+    """The events of the step ``event`` happened in."""
+    at = events.index(event)
+    start = max(i for i in range(at + 1) if events[i] == ("step",))
+    end = next((i for i in range(at, len(events)) if events[i] == ("step",)), len(events))
+    return events[start + 1:end]
+
+
+def assert_first_tokens_as_read(events: list, decoding: list, prompts: list) -> None:
+    """In the step that read ``prompts`` (handles, oldest first): the ``decoding`` streams' tokens
+    were chosen before any prompt was read, and each prompt's first token before the next prompt
+    read anything."""
+    ids = [handle.id for handle in prompts]
+    step = step_of(events, ("read", ids[0]))
+    order = [e for e in step if e[0] in ("read", "first") and e[1] in ids]
+    assert order == [e for i in ids for e in (("read", i), ("first", i))], \
+        "every prompt read in one step, each choosing its first token before the next is read"
+    first_read = step.index(("read", ids[0]))
+    for handle in decoding:
+        assert step.index(("token", handle.id)) < first_read, "a decode token is chosen right after its forward"
+
+
+def test_each_prompt_chooses_its_first_token_as_soon_as_it_is_read(tokenizer, monkeypatch):  # noqa: F811
+    """Three cold prompts admitted at once and read in one step beside a decoding stream: the
+    first's token is chosen before the second is read (one of them ends at that token and gives its
+    rows back mid-step, one forks two answers mid-step); every answer equals the one read alone."""
+    pc = engine(tokenizer)
+    prompts = [doc(tokenizer, 70 + i, 3 * BLOCK + 2 + i) for i in range(3)]
+    sampling = [dict(max_new_tokens=1), dict(max_new_tokens=5, n=2), dict(max_new_tokens=5)]
+    alone = [pc.complete(p, max_new_tokens=s["max_new_tokens"], reuse=False) for p, s in zip(prompts, sampling)]
+    decoding = streams(pc, 1, new=1000)
+    with pc.model_lock:  # all three admitted before the traced step that reads them
+        handles = [pc.submit(pc.complete_request(p, **s)) for p, s in zip(prompts, sampling)]
+        events = trace_outputs(pc, arena_runner, monkeypatch)
+    answers = [handles[0].result(timeout=120), *(h.result(timeout=120) for h in handles[1].choices),
+               handles[2].result(timeout=120)]
+    for handle in decoding:  # long enough to decode through the traced step, whoever gets the lock when
+        handle.cancel()
+        with pytest.raises(RequestCancelled):
+            handle.result(timeout=120)
+    want = [alone[0], alone[1], alone[1], alone[2]]
+    assert all(same(a, b) for a, b in zip(answers, want))
+    assert_first_tokens_as_read(events, decoding, handles)
+    assert pc.scheduler.arena.referenced_rows() == 0

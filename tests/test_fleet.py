@@ -266,6 +266,8 @@ def test_readme_names_what_was_killed_and_the_local_hit_rates():
     assert "`--prefix-block 16`" in text, "a run recorded before --prefix-resume reads as it ran"
     result["prefix_flags"] = prefix_flags("token", 256)
     assert "`--prefix-block 16 --prefix-resume token --prefix-chunk 256`" in table(result)
+    result["prefix_flags"] = prefix_flags("token", step_tokens=256)
+    assert "`--prefix-block 16 --prefix-resume token --step-tokens 256`" in table(result)
 
 
 def _cluster_support() -> bool:

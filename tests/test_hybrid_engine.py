@@ -216,3 +216,26 @@ def test_peak_is_kept_on_hybrid_models_as_on_the_arena(tokenizer):
     pc.scheduler.reset_peak()
     assert pc.scheduler.peak == {"requests": 0, "bytes": 0}
     pc.close()
+
+
+def test_each_prompt_chooses_its_first_token_as_soon_as_it_is_read(tokenizer, monkeypatch):
+    """As on the arena (tests/test_engine_reading.py): three prompts read in one step beside a
+    decoding request, each choosing its first token before the next is read; answers as alone."""
+    from pckernels.engine import hybrid
+    from test_engine_reading import assert_first_tokens_as_read, trace_outputs
+
+    pc = engine(tokenizer, "qwen3_next")
+    prompts = [chat(f"Question {i}: " + "what happens next? " * (i + 2)) for i in range(3)]
+    alone = [pc.complete(p, max_new_tokens=NEW, reuse=False) for p in prompts]
+    stream = pc.submit(pc.complete_request(chat("Tell me everything."), max_new_tokens=400, reuse=False))
+    next(iter(stream))
+    with pc.model_lock:
+        handles = [pc.submit(pc.complete_request(p, max_new_tokens=NEW)) for p in prompts]
+        events = trace_outputs(pc, hybrid, monkeypatch)
+    answers = [h.result(timeout=120) for h in handles]
+    stream.cancel()  # long enough to decode through the traced step
+    with pytest.raises(RequestCancelled):
+        stream.result(timeout=120)
+    assert all(same(a, b) for a, b in zip(answers, alone))
+    assert_first_tokens_as_read(events, [stream], handles)
+    pc.close()

@@ -182,6 +182,7 @@ def test_prefix_budget_bounds_what_the_prefix_cache_keeps(tokenizer):  # noqa: F
 @pytest.mark.parametrize("line, words", [
     (["serve", "--max-queue", "0"], ("--max-queue", "max_queue must be an int >= 1, got 0")),
     (["serve", "--max-batch", "0"], ("--max-batch", ">= 1")),
+    (["serve", "--step-tokens", "0"], ("--step-tokens", "step_tokens must be an int >= 1, got 0")),
     (["serve", "--kv-budget", "lots"], ("--kv-budget", "not a size")),
     (["serve", "--prefix-budget", "lots"], ("--prefix-budget", "not a size")),
     (["serve", "--lookahead", "-1"], ("--lookahead", ">= 0")),
@@ -202,6 +203,25 @@ def test_the_command_line_refuses_bad_settings_before_loading(tmp_path, cli_with
     assert_one_line_error(CliRunner().invoke(app, [*line, "--store-dir", str(tmp_path / "kv")]
                                              if line[0] == "serve" else line), *words)
     assert not (tmp_path / "kv").exists() and not (tmp_path / "cache").exists()
+
+
+
+def test_serve_hands_its_scheduler_settings_to_the_engine(tmp_path, cli_without_loading, monkeypatch):
+    """``--step-tokens``, ``--max-batch``, ``--prefix-chunk`` reach the one ``EngineConfig`` serve loads."""
+    from pckernels import cli_serve
+
+    seen = {}
+
+    def loaded(model, config):
+        seen["config"] = config
+        raise SystemExit(3)
+
+    monkeypatch.setattr(cli_serve, "load_engine", loaded)
+    result = CliRunner().invoke(app, ["serve", "--step-tokens", "300", "--max-batch", "5", "--prefix-block", "16",
+                                      "--prefix-chunk", "48", "--store-dir", str(tmp_path / "kv")])
+    assert result.exit_code == 3, result.output
+    config = seen["config"]
+    assert (config.step_tokens, config.max_batch, config.prefix_block_size, config.prefix_chunk) == (300, 5, 16, 48)
 
 
 # -- the server builds one SamplingParams --------------------------------------------------------

@@ -23,7 +23,7 @@ from pckernels.engine.context import EngineContext
 from pckernels.engine.graphs import StaticStep, StepGraphs
 from pckernels.engine.placement import Placer
 from pckernels.engine.request import Request, RequestHandle
-from pckernels.engine.runner import PromptBudget, StepOutput, StepResult, read_prompt
+from pckernels.engine.runner import Emit, PromptBudget, StepOutput, StepResult, read_prompt
 from pckernels.engine.running import ArenaRequest, admitted_rows
 from pckernels.engine.step import StepPlan, plan_step
 from pckernels.errors import RequestTooLargeError
@@ -93,9 +93,10 @@ class ArenaRunner:
             self.peak = {"rows": rows, "module_rows": shared, "private_module_rows": private}
 
     def step(self, running: list[ArenaRequest], step_tokens: int,
-             drafts: Callable[[ArenaRequest], list[int]]) -> StepResult | None:
-        """One packed forward over the decode items and PML prompt pieces, then the plain prompts'
-        chunks, each read alone into its rows as a cold read does (``Runner.step``)."""
+             drafts: Callable[[ArenaRequest], list[int]], emit: Emit) -> StepResult | None:
+        """One packed forward over the decode items and PML prompt pieces (their outputs emitted
+        after it), then the plain prompts' chunks, each read alone into its rows as a cold read does
+        and its first-token logits emitted as soon as its prompt is read (``Runner.step``)."""
         items, reads = plan_step(running, PromptBudget(step_tokens), drafts)
         if not items and not reads:
             return None
@@ -112,17 +113,21 @@ class ArenaRunner:
                 for item in items:
                     if not item.decode:
                         item.active.prefilled += len(item.tokens)
-                result.outputs.extend(StepOutput(item.active, item_logits, item.tokens if item.decode else None)
-                                      for item, item_logits in plan.outputs(logits))
+                for item, item_logits in plan.outputs(logits):
+                    result.emitted += 1
+                    emit(StepOutput(item.active, item_logits, item.tokens if item.decode else None))
         for active, tokens in reads:
             try:
                 self.counters["prompt_tokens_read"] += read_prompt(active, tokens)
                 self.counters["prompt_reads"] += 1
-                if active.reading.done:
-                    result.outputs.append(StepOutput(active, graphs.readout(self.placer.read(active))))
+                logits = graphs.readout(self.placer.read(active)) if active.reading.done else None
             except Exception as exc:  # this request fails, the others go on
                 result.failed.append(active)
                 result.error = exc
+                continue
+            if logits is not None:
+                result.emitted += 1
+                emit(StepOutput(active, logits))
         return result
 
     def settle(self, active: ArenaRequest, forwarded: int, consumed: int) -> None:

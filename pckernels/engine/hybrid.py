@@ -29,7 +29,7 @@ import torch
 from pckernels.engine.context import EngineContext
 from pckernels.engine.hybrid_batch import HybridBatch, Source
 from pckernels.engine.request import Request, RequestHandle
-from pckernels.engine.runner import PromptBudget, StepOutput, StepResult, read_prompt
+from pckernels.engine.runner import Emit, PromptBudget, StepOutput, StepResult, read_prompt
 from pckernels.engine.running import Running
 from pckernels.errors import RequestTooLargeError
 from pckernels.generation import TokenChoice
@@ -152,13 +152,15 @@ class HybridRunner:
     # -- steps --------------------------------------------------------------------------------------
 
     def step(self, running: list[HybridRequest], step_tokens: int,
-             drafts: Callable[[HybridRequest], list[int]]) -> StepResult | None:
-        """The decoding requests' batched forward, then the prompts still being read, in their chunks,
-        as far as a :class:`~pckernels.engine.runner.PromptBudget` of ``step_tokens`` lets them."""
+             drafts: Callable[[HybridRequest], list[int]], emit: Emit) -> StepResult | None:
+        """The decoding requests' batched forward (its outputs emitted after it), then the prompts
+        still being read, in their chunks, as far as a :class:`~pckernels.engine.runner.PromptBudget`
+        of ``step_tokens`` lets them, each prompt's first-token logits emitted as soon as it is read."""
         result = StepResult()
+        running = list(running)  # emit may fork requests into the scheduler's list
         decoding = [a for a in running if a.reading is None and a.pending is not None]
         if decoding:
-            self._decode(decoding, drafts, result)
+            self._decode(decoding, drafts, result, emit)
         elif self.batch is not None:
             self.batch, self.rows = None, []
         budget = PromptBudget(step_tokens)
@@ -171,20 +173,22 @@ class HybridRunner:
                 continue
             try:
                 read_prompt(active, tokens)
+                logits = self._read(active) if reading.done else None
             except Exception as exc:  # this request fails; the others go on
                 result.failed.append(active)
                 result.error = exc
                 continue
             result.items += 1
             self.counters["prompt_chunks"] += 1
-            if reading.done:
-                result.outputs.append(StepOutput(active, self._read(active)))
+            if logits is not None:
+                result.emitted += 1
+                emit(StepOutput(active, logits))
         if not result.items and not result.failed:
             return None
         return result
 
     def _decode(self, decoding: list[HybridRequest], drafts: Callable[[HybridRequest], list[int]],
-                result: StepResult) -> None:
+                result: StepResult, emit: Emit) -> None:
         """One batched forward: every decoding request's pending token (and, decoding alone, a draft)."""
         try:
             self._compose(decoding)
@@ -203,7 +207,9 @@ class HybridRunner:
             return
         result.items += len(decoding)
         self.counters["decode_steps"] += 1
-        result.outputs.extend(StepOutput(active, logits[row], tokens[row]) for row, active in enumerate(decoding))
+        for row, active in enumerate(decoding):
+            result.emitted += 1
+            emit(StepOutput(active, logits[row], tokens[row]))
 
     def _compose(self, decoding: list[HybridRequest]) -> None:
         """Make the batch's rows ``decoding``: rebuilt (staying rows copied once) when they changed."""

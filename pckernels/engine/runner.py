@@ -75,13 +75,23 @@ class StepOutput:
 
 @dataclass
 class StepResult:
-    """What a step did: ``outputs`` to choose from; ``items``: requests it served (its batch size);
-    ``failed``: requests whose forward raised ``error`` (the scheduler fails them, the others go on)."""
+    """What a step did: ``emitted`` outputs handed to the scheduler while it ran; ``items``:
+    requests it served (its batch size); ``failed``: requests whose forward raised ``error`` (the
+    scheduler fails them, the others go on)."""
 
-    outputs: list[StepOutput] = field(default_factory=list)
+    emitted: int = 0
     items: int = 0
     failed: list[Running] = field(default_factory=list)
     error: BaseException | None = None
+
+
+Emit = Callable[[StepOutput], None]
+"""Where a runner hands each :class:`StepOutput` the moment its logits exist — the decode forward's
+outputs after that forward, a prompt's first-token logits right after its last chunk — so the
+scheduler chooses (and streams) that token before the step reads the next prompt: a prompt read
+earlier in a step does not wait for the later ones (``docs/engine.md``, "Fairness"). ``emit`` may
+fork new requests into the scheduler's ``running`` (a runner iterates over its own lists while it
+emits); requests it ends are finished — rows given back, results delivered — after the step."""
 
 
 class Runner(Protocol):
@@ -111,10 +121,11 @@ class Runner(Protocol):
         """``active`` joined the running requests (its first token did not end it)."""
 
     def step(self, running: list[Running], step_tokens: int,
-             drafts: Callable[[Running], list[int]]) -> StepResult | None:
+             drafts: Callable[[Running], list[int]], emit: Emit) -> StepResult | None:
         """One step over ``running`` (in arrival order): every request past its prompt decodes, and
         requests still reading a prompt read what a :class:`PromptBudget` of ``step_tokens`` gives
-        them; ``drafts(active)`` gives a decode item's draft. None when there was nothing to do."""
+        them; ``drafts(active)`` gives a decode item's draft; each output goes to ``emit`` as soon as
+        it exists (:data:`Emit`). None when there was nothing to do."""
 
     def settle(self, active: Running, forwarded: int, consumed: int) -> None:
         """After verification: ``active`` forwarded ``forwarded`` tokens in its decode item and keeps

@@ -41,7 +41,7 @@ import torch
 from pckernels.engine.context import EngineContext
 from pckernels.engine.decoding import Decoding
 from pckernels.engine.request import Request, RequestHandle
-from pckernels.engine.runner import Runner
+from pckernels.engine.runner import Runner, StepOutput
 from pckernels.engine.running import Running
 from pckernels.errors import DeadlineExceeded, EngineBusyError, RequestCancelled
 from pckernels.generation import TokenChoice
@@ -332,7 +332,13 @@ class Scheduler:
         """Place ``handle``'s request (a plain prompt's stored prefix restored; the rest is read by
         the steps); an exact repeat chooses its first token here (None when that already ends it)."""
         active, logits = self.runner.start(handle, self._choice(handle))
-        if logits is not None and not self._read(active, logits):
+        if logits is None:
+            return active
+        ended: list[Running] = []
+        going = self._read(active, logits, ended)
+        for other in ended:
+            self._finish(other)
+        if not going:
             self._finish(active)
             return None
         return active
@@ -342,10 +348,10 @@ class Scheduler:
         return TokenChoice(request.params, self.ctx.tokenizer, self.ctx.eos_ids, max_positions=self.ctx.max_positions,
                            started=request.submitted, prompt_token_ids=request.prompt_token_ids)
 
-    def _read(self, active: Running, logits: torch.Tensor) -> bool:
+    def _read(self, active: Running, logits: torch.Tensor, ended: list[Running]) -> bool:
         """``active``'s prompt is read (``logits [vocab]``): its request's other answers start from
-        the same states (``n > 1``) and every answer chooses its first token; False when that ends
-        ``active`` (the caller finishes it)."""
+        the same states (``n > 1``) and every answer chooses its first token (those it ends go to
+        ``ended``, for the caller to finish); False when that ends ``active`` (the caller finishes it)."""
         pending, active.handle.pending = active.handle.pending, []
         for handle in pending:
             if handle.cancel_requested:
@@ -356,13 +362,15 @@ class Scheduler:
             if self.decoding.choose(child, logits):
                 self._running.append(child)
             else:
-                self._finish(child)
+                ended.append(child)
         return self.decoding.choose(active, logits)
 
     # -- a step -----------------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        done = self.runner.step(self._running, self.step_tokens, self.decoding.drafts)
+        ended: list[Running] = []
+        done = self.runner.step(self._running, self.step_tokens, self.decoding.drafts,
+                                lambda output: self._output(output, ended))
         if done is None:
             return
         if done.failed:
@@ -370,21 +378,26 @@ class Scheduler:
             for active in done.failed:
                 if active in self._running:
                     self._drop(active, done.error)
-            if not done.outputs:
-                return
-        self.counters["steps"] += 1
-        self.batch_sizes[done.items] += 1
-        for output in done.outputs:
-            active = output.active
-            if output.tokens is None:
-                going = self._read(active, output.logits)
-            else:
-                before = active.decoded_rows
-                going = self.decoding.verify(active, output.tokens, output.logits)
-                if going:
-                    self.runner.settle(active, len(output.tokens), active.decoded_rows - before)
-            if not going:
-                self._finish(active)
+        if done.emitted:
+            self.counters["steps"] += 1
+            self.batch_sizes[done.items] += 1
+        for active in ended:
+            self._finish(active)
+
+    def _output(self, output: StepOutput, ended: list[Running]) -> None:
+        """Choose from one output the moment the runner has it (``runner.Emit``: a prompt's first
+        token, or a decode item's verified tokens, streamed at once); a request this ends goes to
+        ``ended``, finished (its rows given back, its result delivered) once the step is counted."""
+        active = output.active
+        if output.tokens is None:
+            going = self._read(active, output.logits, ended)
+        else:
+            before = active.decoded_rows
+            going = self.decoding.verify(active, output.tokens, output.logits)
+            if going:
+                self.runner.settle(active, len(output.tokens), active.decoded_rows - before)
+        if not going:
+            ended.append(active)
 
     def _finish(self, active: Running) -> None:
         if active in self._running:
