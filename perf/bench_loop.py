@@ -1,7 +1,7 @@
 """Running streams while a long cold prompt is read: what it delays them by, and what they delay it by.
 
 ``python -m perf.bench_loop [--tree PATH ...] [--prompt-tokens 5000] [--streams 3] [--step-tokens 2048]
-[--stream-tokens 1500] [--decode-streams 1 8] [--threads 2] [--out DIR]``
+[--stream-tokens 1500] [--decode-streams 1 8] [--burst K] [--burst-tokens 256] [--threads 2] [--out DIR]``
 
 On the embedded SmolLM2 (fp32, ``store_dir=False``), in one process per engine:
 
@@ -13,6 +13,11 @@ On the embedded SmolLM2 (fp32, ``store_dir=False``), in one process per engine:
    reads the same chunks) and its time to first token;
 3. **with streams** — the streams decoding again, then the long prompt: the streams' longest gap
    while it is read, their median gap, and its time to first token.
+
+``--prompt-tokens 0`` leaves the three phases out. With ``--burst K``, also a burst: ``K`` cold plain
+prompts of ``--burst-tokens`` tokens (different documents, reuse off) submitted together, so one
+step reads them all: each one's time to first token, in submission order — what a replica behind a
+router sees when several new conversations land on it at once.
 
 With ``--decode-streams 1 8``, also the decode rate of that many plain requests together
 (``--decode-tokens`` each; tokens/s while all of them decode), to see that decoding is unchanged.
@@ -151,9 +156,25 @@ def decode_rate(pc, count: int, tokens: int, stream_prompt, ban: dict) -> float:
     return chosen / (end - start) if end > start else float("nan")
 
 
+def burst_ttfts(pc, count: int, tokens: int) -> list[float]:
+    """``count`` cold plain prompts of ``tokens`` tokens submitted together (under the model lock,
+    so one step reads them all): each one's time to first token in submission order (seconds)."""
+    prompts = [document_ids(pc.tokenizer, tokens, 20 + i) for i in range(count)]
+    with pc.model_lock:
+        start = time.monotonic()
+        running = [Stream(pc.submit(pc.complete_request(ids, max_new_tokens=2, reuse=False))) for ids in prompts]
+    for stream in running:
+        stream.follow()
+    for stream in running:
+        stream.thread.join(timeout=600)
+    return [stream.times[0] - start for stream in running]
+
+
 def measure(pc, *, prompt_tokens: int, streams: int, step_tokens: int, stream_tokens: int = 2000,
-            decode_streams: tuple[int, ...] = (), decode_tokens: int = 48) -> dict:
-    """The three phases (module docstring) on engine ``pc``; seconds."""
+            decode_streams: tuple[int, ...] = (), decode_tokens: int = 48, burst: int = 0,
+            burst_tokens: int = 256) -> dict:
+    """The three phases (module docstring; none with ``prompt_tokens`` 0), the burst and the decode
+    rates on engine ``pc``; seconds."""
     tokenizer = pc.tokenizer
     eos = {int(t) for t in getattr(pc, "eos_ids", ()) or ()} | (
         {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
@@ -162,9 +183,20 @@ def measure(pc, *, prompt_tokens: int, streams: int, step_tokens: int, stream_to
     def stream_prompt(index: int) -> str:
         return f"Once upon a time, by the {WORDS[index % 10]}, story number {index} began:"
 
+    pc.complete(stream_prompt(0), max_new_tokens=4)  # warm up
+    out: dict = {"prompt_tokens": prompt_tokens, "streams": streams, "step_tokens": step_tokens}
+    if burst:
+        out["burst"] = {"count": burst, "tokens": burst_tokens, "ttfts": burst_ttfts(pc, burst, burst_tokens)}
+        log.info("burst: %s", out["burst"])
+    rates = {}
+    for count in decode_streams:
+        rates[count] = decode_rate(pc, count, decode_tokens, stream_prompt, ban)
+        log.info("decode at %d streams: %.1f tokens/s", count, rates[count])
+    out["decode_tokens_per_s"] = rates
+    if not prompt_tokens:
+        return out
     long_ids = document_ids(tokenizer, prompt_tokens, 1)
     step_ids = document_ids(tokenizer, step_tokens, 2)
-    pc.complete(stream_prompt(0), max_new_tokens=4)  # warm up
     phases = {}
     for name, ids, count in (("one step", step_ids, streams), ("alone", long_ids, 0), ("with streams", long_ids, streams)):
         began = time.monotonic()
@@ -172,13 +204,9 @@ def measure(pc, *, prompt_tokens: int, streams: int, step_tokens: int, stream_to
                                  stream_tokens=stream_tokens)
         log.info("%s: %.1f s, %s", name, time.monotonic() - began, phases[name])
     step, alone, together = phases["one step"], phases["alone"], phases["with streams"]
-    rates = {}
-    for count in decode_streams:
-        rates[count] = decode_rate(pc, count, decode_tokens, stream_prompt, ban)
-        log.info("decode at %d streams: %.1f tokens/s", count, rates[count])
     one_step = step.longest_gap
     return {
-        "prompt_tokens": prompt_tokens, "streams": streams, "step_tokens": step_tokens,
+        **out,
         "median_gap_decoding": step.median_gap_before,
         "one_step": one_step,
         "longest_gap_while_read": together.longest_gap,
@@ -187,7 +215,6 @@ def measure(pc, *, prompt_tokens: int, streams: int, step_tokens: int, stream_to
         "ttft_alone": alone.ttft,
         "ttft_with_streams": together.ttft,
         "ttft_ratio": together.ttft / alone.ttft,
-        "decode_tokens_per_s": rates,
     }
 
 
@@ -203,7 +230,7 @@ def worker(args) -> dict:
     try:
         out = measure(pc, prompt_tokens=args.prompt_tokens, streams=args.streams, step_tokens=args.step_tokens,
                       stream_tokens=args.stream_tokens, decode_streams=tuple(args.decode_streams),
-                      decode_tokens=args.decode_tokens)
+                      decode_tokens=args.decode_tokens, burst=args.burst, burst_tokens=args.burst_tokens)
     finally:
         pc.close()
     out["pckernels"] = str(Path(pckernels.__file__).resolve().parents[1])
@@ -216,6 +243,7 @@ def run_tree(tree: str, args) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--prompt-tokens", str(args.prompt_tokens),
                "--streams", str(args.streams), "--step-tokens", str(args.step_tokens), "--threads", str(args.threads),
                "--stream-tokens", str(args.stream_tokens), "--decode-tokens", str(args.decode_tokens),
+               "--burst", str(args.burst), "--burst-tokens", str(args.burst_tokens),
                "--decode-streams", *map(str, args.decode_streams)]
     log.info("measuring %s", tree)
     done = subprocess.run(command, env=env, cwd=str(Path(tree).resolve()), stdout=subprocess.PIPE, text=True,
@@ -238,10 +266,13 @@ def _x(value) -> str:
 
 def table(rows: list[dict]) -> str:
     """The runs as a Markdown table, with each target's verdict."""
-    lines = ["| engine | median gap, decoding | one step (step_tokens + decode) | longest gap while read | "
-             "gap / step | TTFT alone | TTFT with streams | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
-    for row in rows:
+    lines = []
+    phased = [row for row in rows if row.get("ttft_alone") is not None]
+    if phased:
+        lines += ["| engine | median gap, decoding | one step (step_tokens + decode) | longest gap while read | "
+                  "gap / step | TTFT alone | TTFT with streams | ratio |",
+                  "|---|---|---|---|---|---|---|---|"]
+    for row in phased:
         gap_ok = row["gap_over_step"] is not None and row["gap_over_step"] <= GAP_TARGET
         ttft_ok = row["ttft_ratio"] <= TTFT_TARGET
         lines.append(f"| {row.get('tree', row['pckernels'])} | {_ms(row['median_gap_decoding'])} | {_ms(row['one_step'])} "
@@ -257,10 +288,22 @@ def table(rows: list[dict]) -> str:
             rates = row.get("decode_tokens_per_s", {})
             lines.append(f"| {row.get('tree', row['pckernels'])} | "
                          + " | ".join(f"{rates.get(c, float('nan')):.1f}" for c in counts) + " |")
+    bursts = [row for row in rows if row.get("burst")]
+    if bursts:
+        b = bursts[0]["burst"]
+        lines += ["", f"| engine | burst of {b['count']} cold {b['tokens']}-token prompts: "
+                      "TTFT of each, in submission order | mean |", "|---|---|---|"]
+        for row in bursts:
+            ttfts = row["burst"]["ttfts"]
+            lines.append(f"| {row.get('tree', row['pckernels'])} | {', '.join(_ms(t) for t in ttfts)} "
+                         f"| {_ms(statistics.mean(ttfts))} |")
     lines.append("")
-    lines.append(f"{first['streams']} streams, a {first['prompt_tokens']}-token cold plain prompt, "
-                 f"step_tokens={first['step_tokens']}; targets: gap / step <= {GAP_TARGET}, "
-                 f"TTFT ratio <= {TTFT_TARGET}.")
+    if phased:
+        lines.append(f"{first['streams']} streams, a {first['prompt_tokens']}-token cold plain prompt, "
+                     f"step_tokens={first['step_tokens']}; targets: gap / step <= {GAP_TARGET}, "
+                     f"TTFT ratio <= {TTFT_TARGET}.")
+    else:
+        lines.append(f"step_tokens={first['step_tokens']}.")
     return "\n".join(lines)
 
 
@@ -277,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-streams", type=int, nargs="*", default=[],
                     help="also measure decode tokens/s of this many plain requests together (e.g. 1 8)")
     ap.add_argument("--decode-tokens", type=int, default=48)
+    ap.add_argument("--burst", type=int, default=0, help="cold prompts submitted together (0: no burst)")
+    ap.add_argument("--burst-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

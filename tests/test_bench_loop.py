@@ -26,3 +26,14 @@ def test_a_small_run_measures_every_number(tokenizer):  # noqa: F811
     assert pc.scheduler.arena.referenced_rows() == 0
     text = bench_loop.table([{**out, "pckernels": "here"}])
     assert "| here |" in text and "step_tokens=32" in text and "decode tokens/s, 2 streams" in text
+
+
+def test_a_burst_times_each_prompt_and_leaves_the_phases_out(tokenizer):  # noqa: F811
+    pc = engine(tokenizer)
+    out = bench_loop.measure(pc, prompt_tokens=0, streams=0, step_tokens=2048, burst=3, burst_tokens=3 * BLOCK)
+    ttfts = out["burst"]["ttfts"]
+    assert len(ttfts) == 3 and all(t > 0 for t in ttfts)
+    # the order itself (each first token as soon as its prompt is read) is tests/test_engine_reading.py's
+    assert "ttft_alone" not in out and pc.scheduler.arena.referenced_rows() == 0
+    text = bench_loop.table([{**out, "pckernels": "here"}])
+    assert "burst of 3 cold 48-token prompts" in text and "| here |" in text and "gap / step" not in text
