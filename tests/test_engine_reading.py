@@ -239,3 +239,13 @@ def test_each_prompt_chooses_its_first_token_as_soon_as_it_is_read(tokenizer, mo
     assert all(same(a, b) for a, b in zip(answers, want))
     assert_first_tokens_as_read(events, decoding, handles)
     assert pc.scheduler.arena.referenced_rows() == 0
+
+
+def test_every_step_is_counted_even_one_that_only_reads_chunks(tokenizer):  # noqa: F811
+    """A prompt read alone over 7 steps of 2 chunks, then one decode: 8 steps, each in ``steps``
+    (the steps before its last chunk emit nothing) and in ``batch_sizes``."""
+    pc = engine(tokenizer, step_tokens=STEP)
+    before = pc.scheduler.counters["steps"]
+    pc.complete(doc(tokenizer, 5, LONG), max_new_tokens=2, reuse=False)
+    assert pc.scheduler.counters["steps"] - before == -(-LONG // STEP) + 1
+    assert sum(pc.scheduler.batch_sizes.values()) == pc.scheduler.counters["steps"]

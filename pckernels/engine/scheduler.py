@@ -378,7 +378,7 @@ class Scheduler:
             for active in done.failed:
                 if active in self._running:
                     self._drop(active, done.error)
-        if done.emitted:
+        if done.emitted or not done.failed:  # a step whose forwards all failed is not counted
             self.counters["steps"] += 1
             self.batch_sizes[done.items] += 1
         for active in ended:
