@@ -458,6 +458,20 @@ def decisions(log: Path) -> dict:
     return {"outcomes": outcomes, "credited_tokens": credited}
 
 
+def warm(urls: list[str], key: str, rounds: int = 2) -> None:
+    """Short chats straight to each replica before any measured run, as their own tenant (``key``):
+    a replica's first forwards (allocations, oneDNN primitives, the arena's first growth) are paid
+    here, not by whichever policy is measured first."""
+    async def go() -> None:
+        for url in urls:
+            async with httpx.AsyncClient(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
+                for i in range(rounds):
+                    text = f"Warm-up {i}: " + "Count the rivers, the lanterns and the harbours. " * (12 * (i + 1))
+                    await chat(client, "smollm2", [{"role": "user", "content": text}], 4)
+
+    asyncio.run(go())
+
+
 def measure(fleet: Fleet, url: str, convs: list[Conversation], opts: Options, limit_s: float, key: str,
             on_done=None) -> dict:
     """One workload run through ``url``; the replicas' Redis reads are deltas over the replicas still
@@ -505,6 +519,10 @@ def main(argv: list[str] | None = None) -> int:
                          "forwards) or token (hits equal to rounding, cold prompts read in 256-token forwards)")
     ap.add_argument("--prefix-chunk", type=int, help="the replicas' --prefix-chunk (default: the server's)")
     ap.add_argument("--step-tokens", type=int, help="the replicas' --step-tokens (default: the server's)")
+    ap.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
+                    help="two short chats straight to every replica before the measured runs, as their own "
+                         "tenant, so the policy measured first does not pay the replicas' first forwards "
+                         "(default on; runs before this option had none)")
     ap.add_argument("--kill-target", choices=("replica", "master"), default="replica",
                     help="what the kill run SIGKILLs: the last replica, or a cluster master (--cluster)")
     ap.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
@@ -543,12 +561,15 @@ def main(argv: list[str] | None = None) -> int:
                     "prefix_flags": replica_prefix,
                     "router": _router_version(binary), "policies": {}}
     t_all = time.perf_counter()
-    runs = ["reference", *args.policies] + (["kill"] if args.kill and args.replicas >= 2 else [])
+    runs = ["warmup", "reference", *args.policies] + (["kill"] if args.kill and args.replicas >= 2 else [])
     keys = {f"perf-fleet-{run}-key": f"run-{run}" for run in runs}
     # one fleet: the routed replicas plus one more for the reference, every run its own tenant
     fleet = Fleet(args.replicas + 1, not args.no_remote, logs, keys, routed=args.replicas, cluster=args.cluster,
                   budget=args.replica_budget, prefix=replica_prefix)
+    result["warm"] = args.warm
     try:
+        if args.warm:
+            warm(fleet.urls, "perf-fleet-warmup-key")
         row = measure(fleet, fleet.urls[-1], convs, opts, args.limit, "perf-fleet-reference-key")
         reference = {(r["conv"], r["turn"]): r["answer"] for r in row["records"] if r["ok"]}
         result["single"] = row
@@ -623,7 +644,9 @@ def table(result: dict) -> str:
              f"`python -m perf.fleet {' '.join(result['argv'])}` — {result['replicas']} `promptcache serve` replicas "
              f"(embedded SmolLM2-135M, fp32, one thread each, `{' '.join(result.get('prefix_flags') or prefix_flags())}`, "
              "KV events on"
-             f"{_shared(result)}{_budget(result)}), router `{result['router']}`"
+             f"{_shared(result)}{_budget(result)}"
+             + ("; each warmed by two short chats first" if result.get("warm") else "")
+             + f"), router `{result['router']}`"
              + (f" (kv_aware with `{result['kv_aware_args']}`)" if result.get("kv_aware_args") else "") + ", "
              f"{os.cpu_count()} CPUs visible (shared with other work: compare rows, not runs).", "",
              f"Workload: {opts['tenants']} tenants x {opts['docs_per_tenant']} documents of {opts['doc_tokens']} "

@@ -1,0 +1,329 @@
+"""promptcache engines as NVIDIA Dynamo workers behind Dynamo's KV router: ``kv`` vs ``round-robin``.
+
+``python -m perf.fleet_dynamo --dynamo-python PY [--workers 3] [--chats 96] [...] [--out DIR]``
+
+vllm-router 0.1.17 (``perf.fleet``) weighs a worker's load by the requests it has in flight, so two
+cold first turns can land on one replica while another decodes a hit. Dynamo's KV router keeps its
+own count of each worker's active prefill tokens and blocks, and scores a worker by the blocks it
+would have to compute plus that load. This measures what that does with promptcache's engines.
+
+``PY`` is a Python that imports ``dynamo`` (``ai-dynamo`` and ``ai-dynamo-runtime`` 1.6.1) *and*
+``pckernels`` (``docs/fleet.md``, "Dynamo's KV router", gives the recipe). Each worker
+(``--worker``, run by ``PY`` with this checkout on ``PYTHONPATH``) is one process with one engine
+(the embedded SmolLM2, one thread, ``prefix_block_size`` 16, token resumption, 96 MiB of prefix
+blocks, the shared Redis under a namespace of its run); it reads two warm-up prompts, registers the
+model with Dynamo's file discovery, serves token-in/token-out ``generate`` requests, and relays the
+engine's vLLM-format KV events (published on an ``ipc://`` socket) with Dynamo's
+``KvEventPublisher``. Per mode a fresh set of workers and one ``python -m dynamo.frontend
+--router-mode MODE`` on loopback; the same workload as ``perf.fleet`` (its ``workload`` and client),
+first answered by one ``promptcache serve`` (``--reference``, the answers every mode must give);
+hit rates come from the workers' own counts (each request's cached prompt tokens, and blocks read
+from Redis), since Dynamo's usage carries none.
+
+Writes ``fleet-dynamo.json`` and ``README.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from perf.fleet import BLOCK, Options, Record, compare, run, summary, workload
+
+log = logging.getLogger("perf.fleet_dynamo")
+MODES = ("kv", "round-robin")
+LOOPBACK = {"DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
+            "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_SELF_HOST_METADATA": "0"}
+"""Dynamo's sockets on loopback only."""
+
+
+# -- the worker (run by the Dynamo Python) --------------------------------------------------------
+
+def model_folder(root: Path) -> Path:
+    """The embedded model's tokenizer and config as Dynamo reads a model card (``architectures`` set)."""
+    from pckernels.integration.embedded import converted_dir
+
+    source = converted_dir()
+    folder = root / "model"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists() and not (folder / name).exists():
+            shutil.copy(source / name, folder / name)
+    config = json.loads((source / "config.json").read_text())
+    config["architectures"] = config.get("architectures") or ["LlamaForCausalLM"]
+    config = {k: v for k, v in config.items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+async def serve_worker(args) -> None:
+    """One engine as a Dynamo worker (module docstring); a JSON line per request to ``args.log_file``."""
+    from dynamo._core import DistributedRuntime, KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
+
+    from pckernels.cli_common import engine_settings, load_engine
+    from pckernels.cli_serve import start_kv_events
+
+    loop = asyncio.get_running_loop()
+    runtime = DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
+    events_at = f"ipc://{args.run_dir}/{args.name}.events"
+    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_at,
+                         "replay_endpoint": f"ipc://{args.run_dir}/{args.name}.replay"})
+    config = engine_settings("smollm2", store_dir=str(Path(args.run_dir) / f"{args.name}-kv"), device_budget="0",
+                             host_budget="0", prefix_budget=args.budget, remote=args.redis,
+                             remote_namespace=args.namespace, prefix_block_size=BLOCK, prefix_resume="token",
+                             kv_events=events)
+    config = config.replace(kv_events=start_kv_events(config.kv_events))
+    engine = load_engine("smollm2", config)
+    for i in range(2):  # its first forwards paid before it serves (as perf.fleet warms its replicas)
+        engine.complete(f"Warm-up {i}: " + "Count the rivers, the lanterns and the harbours. " * (12 * (i + 1)),
+                        max_new_tokens=4, reuse=False)
+    endpoint = runtime.endpoint("promptcache.backend.generate")
+    relay = KvEventPublisher(endpoint, kv_block_size=BLOCK, zmq_endpoint=events_at)  # noqa: F841 (kept alive)
+    lines = open(args.log_file, "a", buffering=1)
+
+    async def generate(request, context=None):
+        ids = list(request["token_ids"])
+        stop = request.get("stop_conditions") or {}
+        sampling = request.get("sampling_options") or {}
+        handle = engine.submit(engine.complete_request(ids, max_new_tokens=stop.get("max_tokens") or 64,
+                                                       temperature=sampling.get("temperature") or 0.0))
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def pump() -> None:
+            try:
+                for token in handle:
+                    loop.call_soon_threadsafe(queue.put_nowait, ("token", token))
+                loop.call_soon_threadsafe(queue.put_nowait, ("end", handle.result()))
+            except Exception as exc:  # noqa: BLE001 — the stream ends with it
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
+
+        threading.Thread(target=pump, daemon=True).start()
+        while True:
+            kind, value = await queue.get()
+            if kind == "token":
+                yield {"token_ids": [int(value)]}
+                continue
+            if kind == "error":
+                yield {"token_ids": [], "finish_reason": f"error: {value}"}
+                return
+            remote = (engine.stats().get("remote") or {}).get("hits", 0)
+            lines.write(json.dumps({"worker": args.name, "prompt": len(ids), "cached": value.cached_tokens,
+                                    "remote_hits": remote, "t": time.time()}) + "\n")
+            yield {"token_ids": [], "finish_reason": getattr(value, "finish_reason", None) or "stop"}
+            return
+
+    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint,
+                         str(model_folder(Path(args.run_dir))), "smollm2", worker_type=WorkerType.Aggregated,
+                         kv_cache_block_size=BLOCK)
+    log.info("worker %s serving", args.name)
+    await endpoint.serve_endpoint(generate)
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+class DynamoFleet:
+    """``n`` workers and a frontend in ``mode``, file discovery under ``run_dir``; ``stop`` ends them."""
+
+    def __init__(self, python: str, n: int, mode: str, run_dir: Path, redis_url: str, namespace: str,
+                 budget: str, port: int) -> None:
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        repo = Path(__file__).resolve().parents[1]
+        env = {**os.environ, **LOOPBACK, "DYN_FILE_KV": str(run_dir / "discovery"), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(repo)}
+        self.log_file = run_dir / "requests.jsonl"
+        self.procs: list[subprocess.Popen] = []
+        for i in range(n):
+            cmd = [python, "-m", "perf.fleet_dynamo", "--worker", "--name", f"w{i}", "--run-dir", str(run_dir),
+                   "--redis", redis_url, "--namespace", namespace, "--budget", budget,
+                   "--log-file", str(self.log_file)]
+            self.procs.append(subprocess.Popen(cmd, env=env, cwd=repo, stdout=open(run_dir / f"w{i}.log", "w"),
+                                               stderr=subprocess.STDOUT))
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [python, "-m", "dynamo.frontend", "--router-mode", mode, "--http-host", "127.0.0.1",
+               "--http-port", str(port), "--discovery-backend", "file", "--request-plane", "tcp",
+               "--event-plane", "zmq"]
+        self.procs.append(subprocess.Popen(cmd, env=env, cwd=repo, stdout=open(run_dir / "frontend.log", "w"),
+                                           stderr=subprocess.STDOUT))
+        self._ready(n)
+
+    def _ready(self, n: int, timeout: float = 300.0) -> None:
+        """Until ``n`` workers answered a request through the frontend (each registered and serving)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"a Dynamo process ended at start; see {self.run_dir}")
+            ready = sum(1 for line in _lines(self.run_dir) if "serving" in line)
+            if ready >= n:
+                try:
+                    models = httpx.get(f"{self.url}/v1/models", timeout=5).json().get("data") or []
+                except httpx.HTTPError:
+                    models = []
+                if models:
+                    time.sleep(2.0)  # every worker's instance reaches the router
+                    return
+            time.sleep(1.0)
+        raise RuntimeError(f"the Dynamo fleet was not ready in {timeout:.0f} s; see {self.run_dir}")
+
+    def requests(self) -> list[dict]:
+        if not self.log_file.exists():
+            return []
+        return [json.loads(line) for line in self.log_file.read_text().splitlines() if line.strip()]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _lines(run_dir: Path):
+    for path in run_dir.glob("w*.log"):
+        yield from path.read_text(errors="replace").splitlines()
+
+
+def worker_hits(requests: list[dict]) -> dict:
+    """Hit rates from the workers' own lines: cached prompt tokens / prompt tokens, and the same less
+    the blocks read from Redis (each worker's ``remote_hits`` counter, its last value less its first)."""
+    prompt = sum(r["prompt"] for r in requests)
+    cached = sum(r["cached"] for r in requests)
+    remote = 0
+    for name in {r["worker"] for r in requests}:
+        mine = sorted((r for r in requests if r["worker"] == name), key=lambda r: r["t"])
+        remote += mine[-1]["remote_hits"]
+    local = max(0, cached - BLOCK * remote)
+    return {"worker_prompt_tokens": prompt, "worker_cached_tokens": cached, "remote_blocks": remote,
+            "hit_rate": cached / prompt if prompt else 0.0, "local_hit_rate": local / prompt if prompt else 0.0,
+            "per_worker": {name: sum(1 for r in requests if r["worker"] == name)
+                           for name in sorted({r["worker"] for r in requests})}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m perf.fleet_dynamo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dynamo-python", help="a Python that imports dynamo and pckernels")
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--budget", default="96MiB", help="each worker's prefix budget")
+    for name, default in (("tenants", 6), ("docs-per-tenant", 3), ("doc-tokens", 192), ("chats", 96), ("turns", 3),
+                          ("concurrency", 4), ("tokens", 8)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--limit", type=float, default=900.0)
+    ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                    help="first answer the workload with one `promptcache serve` (no router, no Dynamo) and "
+                         "compare every mode's answers with it (default on)")
+    ap.add_argument("--out", type=Path, default=Path("perf/results/cpu-2c/fleet-dynamo"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name in ("name", "run-dir", "redis", "namespace", "log-file"):
+        ap.add_argument(f"--{name}", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.worker:
+        import uvloop
+
+        uvloop.install()
+        asyncio.run(serve_worker(args))
+        return 0
+    if not args.dynamo_python:
+        ap.error("--dynamo-python is needed (a Python that imports dynamo and pckernels; docs/fleet.md)")
+    from pckernels.integration.embedded import load_tokenizer
+    from pckernels.store.testing import LocalRedis, free_port
+
+    opts = Options(tenants=args.tenants, docs_per_tenant=args.docs_per_tenant, doc_tokens=args.doc_tokens,
+                   chats=args.chats, turns=args.turns, tokens=args.tokens, concurrency=args.concurrency)
+    convs = workload(load_tokenizer(), opts)
+    args.out.mkdir(parents=True, exist_ok=True)
+    redis = LocalRedis().start()
+    result: dict = {"argv": sys.argv[1:], "options": asdict(opts), "workers": args.workers, "budget": args.budget,
+                    "modes": {}}
+    answers: dict[str, dict] = {}
+    try:
+        if args.reference:  # one promptcache serve replica, no router: the answers every mode must give
+            from perf.server_load import start_server
+
+            proc, url = start_server("smollm2", ["--prefix-block", str(BLOCK), "--prefix-resume", "token"])
+            try:
+                records, _ = asyncio.run(run(url, "smollm2", convs, opts, args.limit))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+            answers["reference"] = {(r.conv, r.turn): r.answer for r in records if r.ok}
+        for mode in args.modes:
+            run_dir = Path(tempfile.mkdtemp(prefix=f"pc-dynamo-{mode}-"))
+            fleet = DynamoFleet(args.dynamo_python, args.workers, mode, run_dir, redis.url, f"perf-dynamo-{mode}",
+                                args.budget, free_port())
+            try:
+                records, wall = asyncio.run(run(fleet.url, "smollm2", convs, opts, args.limit))
+                row = summary(records, wall)
+                row.update(worker_hits(fleet.requests()))
+                row["records"] = [asdict(r) for r in records]
+            finally:
+                fleet.stop()
+                shutil.copy(run_dir / "frontend.log", args.out / f"frontend-{mode}.log")
+            answers[mode] = {(r.conv, r.turn): r.answer for r in records if r.ok}
+            result["modes"][mode] = row
+            log.info("%s: hit %.1f%% local %.1f%% TTFT p50 %.0f ms p95 %.0f ms p99 %.0f ms after opening %.0f ms, "
+                     "%.2f req/s, failed %d", mode, 100 * row["hit_rate"], 100 * row["local_hit_rate"],
+                     1e3 * row["ttft_p50_s"], 1e3 * row["ttft_p95_s"], 1e3 * row["ttft_p99_s"],
+                     1e3 * (row["ttft_p99_after_opening_s"] or 0), row["requests_per_s"], row["failed"])
+        first = "reference" if args.reference else args.modes[0]
+        for mode in args.modes:
+            if mode != first:
+                result["modes"][mode]["answers_vs_" + first] = compare(
+                    answers[first], [Record(**r) for r in result["modes"][mode]["records"]])
+    finally:
+        redis.stop()
+    (args.out / "fleet-dynamo.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "README.md").write_text(table(result) + "\n")
+    print(table(result))
+    return 0
+
+
+def table(result: dict) -> str:
+    opts = result["options"]
+    lines = ["# promptcache engines as Dynamo workers behind Dynamo's KV router", "",
+             f"`python -m perf.fleet_dynamo {' '.join(result['argv'])}` — {result['workers']} workers (embedded "
+             f"SmolLM2, fp32, one thread each, 16-token blocks, token resumption, {result['budget']} of prefix "
+             "blocks each, a shared Redis), `dynamo.frontend` (ai-dynamo 1.6.1) on loopback; "
+             f"{os.cpu_count()} CPUs visible.", "",
+             f"Workload (perf.fleet's): {opts['tenants']} tenants x {opts['docs_per_tenant']} documents of "
+             f"{opts['doc_tokens']} tokens, {opts['chats']} conversations of {opts['turns']} turns, "
+             f"{opts['concurrency']} at a time, {opts['tokens']} new tokens, greedy, streamed. Hit rates from the "
+             "workers' counts; local: less 16 tokens per block read from Redis.", "",
+             "| router mode | hit rate | local hit rate | TTFT p50 | p95 | p99 | p99 after the opening | req/s | "
+             "failed | requests per worker | answers equal |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, row in result["modes"].items():
+        same = next((v for k, v in row.items() if k.startswith("answers_vs_")), None)
+        lines.append(f"| {mode} | {row['hit_rate']:.1%} | {row['local_hit_rate']:.1%} | {_ms(row['ttft_p50_s'])} | "
+                     f"{_ms(row['ttft_p95_s'])} | {_ms(row['ttft_p99_s'])} | {_ms(row['ttft_p99_after_opening_s'])} | "
+                     f"{row['requests_per_s']:.2f} | {row['failed']} | "
+                     f"{', '.join(str(v) for v in row['per_worker'].values())} | "
+                     + (f"{same['same']}/{same['compared']}" if same else "(reference)") + " |")
+    lines += ["", "*answers equal*: to one `promptcache serve` replica's (no router, no Dynamo) when the run had "
+                  "`--reference`, else to the first mode's."]
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
