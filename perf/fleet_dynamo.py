@@ -11,7 +11,7 @@ would have to compute plus that load. This measures what that does with promptca
 ``pckernels`` (``docs/fleet.md``, "Dynamo's KV router", gives the recipe). Each worker
 (``--worker``, run by ``PY`` with this checkout on ``PYTHONPATH``) is one process with one engine
 (the embedded SmolLM2, one thread, ``prefix_block_size`` 16, token resumption, 96 MiB of prefix
-blocks, the shared Redis under a namespace of its run); it reads two warm-up prompts, registers the
+blocks, no disk tier, the shared Redis under a namespace of its run); it reads two warm-up prompts, registers the
 model with Dynamo's file discovery, serves token-in/token-out ``generate`` requests, and relays the
 engine's vLLM-format KV events (published on an ``ipc://`` socket) with Dynamo's
 ``KvEventPublisher``. Per mode a fresh set of workers and one ``python -m dynamo.frontend
@@ -81,7 +81,7 @@ async def serve_worker(args) -> None:
     events_at = f"ipc://{args.run_dir}/{args.name}.events"
     events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_at,
                          "replay_endpoint": f"ipc://{args.run_dir}/{args.name}.replay"})
-    config = engine_settings("smollm2", store_dir=str(Path(args.run_dir) / f"{args.name}-kv"), device_budget="0",
+    config = engine_settings("smollm2", store_dir=False, device_budget="0",  # as perf.fleet's memory-only replicas
                              host_budget="0", prefix_budget=args.budget, remote=args.redis,
                              remote_namespace=args.namespace, prefix_block_size=BLOCK, prefix_resume="token",
                              kv_events=events)
