@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from perf.fleet import BLOCK, Options, Record, compare, run, summary, workload
+from perf.fleet import BLOCK, Options, Record, _ms, compare, run, summary, workload
 
 log = logging.getLogger("perf.fleet_dynamo")
 MODES = ("kv", "round-robin")
@@ -297,11 +297,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(result: dict) -> str:
+    """The README: what ran, the router modes side by side."""
     opts = result["options"]
     lines = ["# promptcache engines as Dynamo workers behind Dynamo's KV router", "",
              f"`python -m perf.fleet_dynamo {' '.join(result['argv'])}` — {result['workers']} workers (embedded "
              f"SmolLM2, fp32, one thread each, 16-token blocks, token resumption, {result['budget']} of prefix "
-             "blocks each, a shared Redis), `dynamo.frontend` (ai-dynamo 1.6.1) on loopback; "
+             "blocks each, no disk tier, a shared Redis, warmed by two prompts before serving), `dynamo.frontend` "
+             "(ai-dynamo 1.6.1) on loopback, fresh workers and frontend per mode; "
              f"{os.cpu_count()} CPUs visible.", "",
              f"Workload (perf.fleet's): {opts['tenants']} tenants x {opts['docs_per_tenant']} documents of "
              f"{opts['doc_tokens']} tokens, {opts['chats']} conversations of {opts['turns']} turns, "
@@ -319,10 +321,6 @@ def table(result: dict) -> str:
     lines += ["", "*answers equal*: to one `promptcache serve` replica's (no router, no Dynamo) when the run had "
                   "`--reference`, else to the first mode's."]
     return "\n".join(lines)
-
-
-def _ms(seconds: float | None) -> str:
-    return "–" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
 
 if __name__ == "__main__":
