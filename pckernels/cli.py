@@ -19,6 +19,7 @@ from pckernels.cli_bench import CONTEXT as BENCH_CONTEXT, bench
 from pckernels.cli_compile import compile_programs
 from pckernels.cli_eval import register as register_eval
 from pckernels.cli_fetch import fetch
+from pckernels.cli_dynamo import dynamo_worker
 from pckernels.cli_serve import serve
 from pckernels.engine.plan import RECOMPUTE_POLICIES
 
@@ -144,6 +145,7 @@ def run(schema: str = typer.Argument(..., help="Schema file (or PML text)."),
 
 app.command()(encode)
 app.command()(serve)
+app.command(name="dynamo-worker")(dynamo_worker)
 app.command()(fetch)
 app.command(name="compile")(compile_programs)
 app.command(context_settings=BENCH_CONTEXT)(bench)

@@ -34,7 +34,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -52,37 +51,19 @@ LOOPBACK = {"DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1"
 
 # -- the worker (run by the Dynamo Python) --------------------------------------------------------
 
-def model_folder(root: Path) -> Path:
-    """The embedded model's tokenizer and config as Dynamo reads a model card (``architectures`` set)."""
-    from pckernels.integration.embedded import converted_dir
-
-    source = converted_dir()
-    folder = root / "model"
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (source / name).exists() and not (folder / name).exists():
-            shutil.copy(source / name, folder / name)
-    config = json.loads((source / "config.json").read_text())
-    config["architectures"] = config.get("architectures") or ["LlamaForCausalLM"]
-    config = {k: v for k, v in config.items() if v is not None}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
-async def serve_worker(args) -> None:
-    """One engine as a Dynamo worker (module docstring); a JSON line per request to ``args.log_file``."""
-    from dynamo._core import DistributedRuntime, KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
-
+def serve_worker(args) -> None:
+    """One engine as a Dynamo worker — ``promptcache dynamo-worker``'s own handler and registration
+    (``pckernels.cli_dynamo.run_worker``), warmed first, with a JSON line per answer to ``args.log_file``."""
     from pckernels.cli_common import engine_settings, load_engine
-    from pckernels.cli_serve import start_kv_events
+    from pckernels.cli_dynamo import run_worker
+    from pckernels.cli_engine import start_kv_events
+    from pckernels.server.dynamo_worker import DynamoSettings
 
-    loop = asyncio.get_running_loop()
-    runtime = DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
     events_at = f"ipc://{args.run_dir}/{args.name}.events"
     events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_at,
                          "replay_endpoint": f"ipc://{args.run_dir}/{args.name}.replay"})
     config = engine_settings("smollm2", store_dir=False, device_budget="0",  # as perf.fleet's memory-only replicas
-                             host_budget="0", prefix_budget=args.budget, remote=args.redis,
+                             host_budget="0", prefix_budget=args.budget, remote=args.redis or None,
                              remote_namespace=args.namespace, prefix_block_size=BLOCK, prefix_resume="token",
                              kv_events=events)
     config = config.replace(kv_events=start_kv_events(config.kv_events))
@@ -90,46 +71,18 @@ async def serve_worker(args) -> None:
     for i in range(2):  # its first forwards paid before it serves (as perf.fleet warms its replicas)
         engine.complete(f"Warm-up {i}: " + "Count the rivers, the lanterns and the harbours. " * (12 * (i + 1)),
                         max_new_tokens=4, reuse=False)
-    endpoint = runtime.endpoint("promptcache.backend.generate")
-    relay = KvEventPublisher(endpoint, kv_block_size=BLOCK, zmq_endpoint=events_at)  # noqa: F841 (kept alive)
     lines = open(args.log_file, "a", buffering=1)
 
-    async def generate(request, context=None):
-        ids = list(request["token_ids"])
-        stop = request.get("stop_conditions") or {}
-        sampling = request.get("sampling_options") or {}
-        handle = engine.submit(engine.complete_request(ids, max_new_tokens=stop.get("max_tokens") or 64,
-                                                       temperature=sampling.get("temperature") or 0.0))
-        queue: asyncio.Queue = asyncio.Queue()
+    def observe(result, handle) -> None:
+        remote = (engine.stats().get("remote") or {}).get("hits", 0)
+        lines.write(json.dumps({"worker": args.name, "prompt": len(result.prompt_token_ids),
+                                "cached": result.cached_tokens, "remote_hits": remote, "t": time.time()}) + "\n")
 
-        def pump() -> None:
-            try:
-                for token in handle:
-                    loop.call_soon_threadsafe(queue.put_nowait, ("token", token))
-                loop.call_soon_threadsafe(queue.put_nowait, ("end", handle.result()))
-            except Exception as exc:  # noqa: BLE001 — the stream ends with it
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
-
-        threading.Thread(target=pump, daemon=True).start()
-        while True:
-            kind, value = await queue.get()
-            if kind == "token":
-                yield {"token_ids": [int(value)]}
-                continue
-            if kind == "error":
-                yield {"token_ids": [], "finish_reason": f"error: {value}"}
-                return
-            remote = (engine.stats().get("remote") or {}).get("hits", 0)
-            lines.write(json.dumps({"worker": args.name, "prompt": len(ids), "cached": value.cached_tokens,
-                                    "remote_hits": remote, "t": time.time()}) + "\n")
-            yield {"token_ids": [], "finish_reason": getattr(value, "finish_reason", None) or "stop"}
-            return
-
-    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint,
-                         str(model_folder(Path(args.run_dir))), "smollm2", worker_type=WorkerType.Aggregated,
-                         kv_cache_block_size=BLOCK)
     log.info("worker %s serving", args.name)
-    await endpoint.serve_endpoint(generate)
+    run_worker(engine, DynamoSettings(endpoint="dyn://promptcache.backend.generate", model_name="smollm2",
+                                      discovery_backend="file", request_plane="tcp", event_plane="zmq"),
+               model="smollm2", events_endpoint=events_at, work_dir=Path(args.run_dir), max_tokens=64,
+               observe=observe)
 
 
 # -- the driver -----------------------------------------------------------------------------------
@@ -138,7 +91,7 @@ class DynamoFleet:
     """``n`` workers and a frontend in ``mode``, file discovery under ``run_dir``; ``stop`` ends them."""
 
     def __init__(self, python: str, n: int, mode: str, run_dir: Path, redis_url: str, namespace: str,
-                 budget: str, port: int) -> None:
+                 budget: str, port: int, router_args: tuple[str, ...] = ()) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         repo = Path(__file__).resolve().parents[1]
@@ -148,14 +101,14 @@ class DynamoFleet:
         self.procs: list[subprocess.Popen] = []
         for i in range(n):
             cmd = [python, "-m", "perf.fleet_dynamo", "--worker", "--name", f"w{i}", "--run-dir", str(run_dir),
-                   "--redis", redis_url, "--namespace", namespace, "--budget", budget,
+                   "--redis", redis_url or "", "--namespace", namespace, "--budget", budget,
                    "--log-file", str(self.log_file)]
             self.procs.append(subprocess.Popen(cmd, env=env, cwd=repo, stdout=open(run_dir / f"w{i}.log", "w"),
                                                stderr=subprocess.STDOUT))
         self.url = f"http://127.0.0.1:{port}"
         cmd = [python, "-m", "dynamo.frontend", "--router-mode", mode, "--http-host", "127.0.0.1",
                "--http-port", str(port), "--discovery-backend", "file", "--request-plane", "tcp",
-               "--event-plane", "zmq"]
+               "--event-plane", "zmq", *router_args]
         self.procs.append(subprocess.Popen(cmd, env=env, cwd=repo, stdout=open(run_dir / "frontend.log", "w"),
                                            stderr=subprocess.STDOUT))
         self._ready(n)
@@ -226,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                           ("concurrency", 4), ("tokens", 8)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--limit", type=float, default=900.0)
+    ap.add_argument("--remote", action=argparse.BooleanOptionalAction, default=True,
+                    help="the workers share a Redis (default); --no-remote: each keeps its own blocks only")
+    ap.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                    help="passed to dynamo.frontend as is (repeat; e.g. --router-arg=--router-temperature=0.5)")
     ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                     help="first answer the workload with one `promptcache serve` (no router, no Dynamo) and "
                          "compare every mode's answers with it (default on)")
@@ -236,10 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     if args.worker:
-        import uvloop
-
-        uvloop.install()
-        asyncio.run(serve_worker(args))
+        serve_worker(args)
         return 0
     if not args.dynamo_python:
         ap.error("--dynamo-python is needed (a Python that imports dynamo and pckernels; docs/fleet.md)")
@@ -250,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                    chats=args.chats, turns=args.turns, tokens=args.tokens, concurrency=args.concurrency)
     convs = workload(load_tokenizer(), opts)
     args.out.mkdir(parents=True, exist_ok=True)
-    redis = LocalRedis().start()
+    redis = LocalRedis().start() if args.remote else None
     result: dict = {"argv": sys.argv[1:], "options": asdict(opts), "workers": args.workers, "budget": args.budget,
-                    "modes": {}}
+                    "remote": args.remote, "router_args": args.router_arg, "modes": {}}
     answers: dict[str, dict] = {}
     try:
         if args.reference:  # one promptcache serve replica, no router: the answers every mode must give
@@ -267,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             answers["reference"] = {(r.conv, r.turn): r.answer for r in records if r.ok}
         for mode in args.modes:
             run_dir = Path(tempfile.mkdtemp(prefix=f"pc-dynamo-{mode}-"))
-            fleet = DynamoFleet(args.dynamo_python, args.workers, mode, run_dir, redis.url, f"perf-dynamo-{mode}",
-                                args.budget, free_port())
+            fleet = DynamoFleet(args.dynamo_python, args.workers, mode, run_dir, redis.url if redis else None,
+                                f"perf-dynamo-{mode}", args.budget, free_port(), tuple(args.router_arg))
             try:
                 records, wall = asyncio.run(run(fleet.url, "smollm2", convs, opts, args.limit))
                 row = summary(records, wall)
@@ -289,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["modes"][mode]["answers_vs_" + first] = compare(
                     answers[first], [Record(**r) for r in result["modes"][mode]["records"]])
     finally:
-        redis.stop()
+        if redis is not None:
+            redis.stop()
     (args.out / "fleet-dynamo.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "README.md").write_text(table(result) + "\n")
     print(table(result))
@@ -302,8 +257,10 @@ def table(result: dict) -> str:
     lines = ["# promptcache engines as Dynamo workers behind Dynamo's KV router", "",
              f"`python -m perf.fleet_dynamo {' '.join(result['argv'])}` — {result['workers']} workers (embedded "
              f"SmolLM2, fp32, one thread each, 16-token blocks, token resumption, {result['budget']} of prefix "
-             "blocks each, no disk tier, a shared Redis, warmed by two prompts before serving), `dynamo.frontend` "
-             "(ai-dynamo 1.6.1) on loopback, fresh workers and frontend per mode; "
+             "blocks each, no disk tier, " + ("a shared Redis" if result.get("remote", True) else "no Redis: private "
+             "stores") + ", warmed by two prompts before serving), `dynamo.frontend` (ai-dynamo 1.6.1"
+             + (" " + " ".join(result["router_args"]) if result.get("router_args") else "") + ") on loopback, fresh "
+             "workers and frontend per mode; "
              f"{os.cpu_count()} CPUs visible.", "",
              f"Workload (perf.fleet's): {opts['tenants']} tenants x {opts['docs_per_tenant']} documents of "
              f"{opts['doc_tokens']} tokens, {opts['chats']} conversations of {opts['turns']} turns, "
@@ -318,6 +275,12 @@ def table(result: dict) -> str:
                      f"{row['requests_per_s']:.2f} | {row['failed']} | "
                      f"{', '.join(str(v) for v in row['per_worker'].values())} | "
                      + (f"{same['same']}/{same['compared']}" if same else "(reference)") + " |")
+    kv, rr = result["modes"].get("kv"), result["modes"].get("round-robin")
+    if kv and rr and rr["local_hit_rate"]:
+        lines += ["", f"kv / round-robin local hit rate: **{kv['local_hit_rate'] / rr['local_hit_rate']:.2f}x** (hit "
+                      f"rate {kv['hit_rate'] / max(rr['hit_rate'], 1e-9):.2f}x); TTFT p99 {_ms(kv['ttft_p99_s'])} vs "
+                      f"{_ms(rr['ttft_p99_s'])}, after the opening {_ms(kv['ttft_p99_after_opening_s'])} vs "
+                      f"{_ms(rr['ttft_p99_after_opening_s'])}, p95 {_ms(kv['ttft_p95_s'])} vs {_ms(rr['ttft_p95_s'])}."]
     lines += ["", "*answers equal*: to one `promptcache serve` replica's (no router, no Dynamo) when the run had "
                   "`--reference`, else to the first mode's."]
     return "\n".join(lines)

@@ -208,7 +208,7 @@ def test_the_command_line_refuses_bad_settings_before_loading(tmp_path, cli_with
 
 def test_serve_hands_its_scheduler_settings_to_the_engine(tmp_path, cli_without_loading, monkeypatch):
     """``--step-tokens``, ``--max-batch``, ``--prefix-chunk`` reach the one ``EngineConfig`` serve loads."""
-    from pckernels import cli_serve
+    from pckernels import cli_engine
 
     seen = {}
 
@@ -216,7 +216,7 @@ def test_serve_hands_its_scheduler_settings_to_the_engine(tmp_path, cli_without_
         seen["config"] = config
         raise SystemExit(3)
 
-    monkeypatch.setattr(cli_serve, "load_engine", loaded)
+    monkeypatch.setattr(cli_engine, "load_engine", loaded)
     result = CliRunner().invoke(app, ["serve", "--step-tokens", "300", "--max-batch", "5", "--prefix-block", "16",
                                       "--prefix-chunk", "48", "--store-dir", str(tmp_path / "kv")])
     assert result.exit_code == 3, result.output

@@ -1,0 +1,97 @@
+"""The engine options every serving command takes (``serve``, ``dynamo-worker``): one definition of
+each flag, the :class:`~pckernels.engine.config.EngineConfig` they make, the KV-event publisher
+started before the model loads, and the model loaded with its prefix-reuse self-check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+
+from pckernels.cli_common import MODEL_HELP, PLACEMENT_HELP, engine_settings, fail, load_engine
+
+if TYPE_CHECKING:
+    from pckernels.engine.config import EngineConfig
+
+MODEL = typer.Option("smollm2", help=MODEL_HELP)
+STORE_DIR = typer.Option(None, help="Disk tier directory (default: $PROMPTCACHE_CACHE_DIR/kv or the XDG cache dir).")
+MEMORY_ONLY = typer.Option(False, help="No disk tier: blocks live in memory only.")
+DEVICE_BUDGET = typer.Option(None, help="Device tier budget, e.g. 2GiB.")
+HOST_BUDGET = typer.Option(None, help="Host tier budget.")
+DISK_BUDGET = typer.Option(None, help="Disk tier budget.")
+KV_BUDGET = typer.Option(None, help="KV arena budget of running requests.")
+REMOTE = typer.Option(None, help="Redis/Valkey URL (redis://host:port/db) of a tier shared by a fleet of servers; "
+                                 "a cluster: any node's URL, or redis+cluster://host:port[,host:port...].")
+REMOTE_NAMESPACE = typer.Option("promptcache", help="Key prefix in the --remote server.")
+MAX_QUEUE = typer.Option(256, help="Requests that may wait; more get 429.")
+MAX_BATCH = typer.Option(64, help="Requests decoded together.")
+STEP_TOKENS = typer.Option(2048, help="Prompt tokens a scheduler step reads at most, across every prompt being "
+                                      "read (oldest first); lower: shorter gaps between a stream's tokens while "
+                                      "long prompts are read.")
+DEVICE = typer.Option(None, help="cpu, cuda, … (default: best available).")
+DTYPE = typer.Option(None, help="float32, bfloat16, float16.")
+MATMUL = typer.Option("fp32", help="CPU matmul precision: fp32, or bf16 (oneDNN over packed bf16 weights; faster, "
+                                   "changes numerics: docs/perf.md).")
+PREFIX_BLOCK = typer.Option(256, help="Tokens per block of plain prompts' exact prefix reuse.")
+PREFIX_CHUNK = typer.Option(None, help="Tokens per forward when a plain prompt is read, a multiple of "
+                                       "--prefix-block (default: the block; with --prefix-resume token, >= 256).")
+PREFIX_BUDGET = typer.Option(None, help="Bytes of prefix blocks kept in memory before the least recently used "
+                                        "spill to the store's tiers (default 1GiB).")
+PREFIX_RESUME = typer.Option("block", help="Where a plain prompt's hit resumes: block (bitwise equal to no reuse) "
+                                           "or token (from the first new token; equal to rounding; attention-only "
+                                           "models).")
+LOOKAHEAD = typer.Option(0, help="Draft tokens a greedy request's decode step verifies besides its own (prompt "
+                                 "lookup from its context; 0: none).")
+PLACEMENT = typer.Option("compact", help=PLACEMENT_HELP)
+ALLOW_NO_REUSE = typer.Option(False, help="Serve even when the model fails the prefix cache's self-check (every "
+                                          "prompt then computed in full).")
+KV_EVENTS_CONFIG = typer.Option(None, help='KV events in vLLM\'s format, as vLLM\'s JSON: \'{"enable_kv_cache_events": '
+                                           'true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": '
+                                           '"tcp://*:5558"}\' (docs/kv-events.md; absent: off).')
+LOG_LEVEL = typer.Option("info", help="debug, info, warning, error.")
+
+
+def serving_config(model: str, *, store_dir: Optional[Path], memory_only: bool, kv_events: str | None,
+                   **options) -> "EngineConfig":
+    """The checked :class:`EngineConfig` of a serving command's engine options (the store at
+    ``store_dir``, none with ``memory_only``), with its ``kv_events`` publisher started: a bad
+    option, or an event endpoint in use, ends the command with one line and exit status 2."""
+    from pckernels.store import default_store_dir
+
+    store = False if memory_only else (store_dir or default_store_dir())
+    config = engine_settings(model, store_dir=store, kv_events=kv_events, **options)
+    publisher = start_kv_events(config.kv_events)
+    return config if publisher is None else config.replace(kv_events=publisher)
+
+
+def start_kv_events(config):
+    """The KV-event publisher of ``--kv-events-config`` (``None`` when off), its sockets bound before
+    the model loads: an endpoint in use ends the command with one line and exit status 2."""
+    from pckernels.store.events import start_publisher
+
+    if config is None or not getattr(config, "active", False):
+        return None
+    try:
+        return start_publisher(config)
+    except OSError as exc:
+        fail(exc)
+
+
+def load_serving_engine(model: str, config: "EngineConfig", allow_no_reuse: bool):
+    """The engine of ``config``, refused (one line, exit status 2) when exact prefix reuse fails its
+    self-check on the model and ``allow_no_reuse`` is not given; the event publisher is closed when
+    loading fails."""
+    publisher = config.kv_events if hasattr(config.kv_events, "close") else None
+    try:
+        engine = load_engine(model, config)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
+    refusal = engine.prefix.refusal
+    if refusal is not None and not allow_no_reuse:
+        engine.close()
+        fail(f"exact prefix reuse fails its self-check on this model ({refusal}); "
+             "serve it anyway with --allow-no-reuse (prompts computed in full)")
+    return engine
