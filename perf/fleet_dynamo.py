@@ -40,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from perf.fleet import BLOCK, Options, Record, _ms, compare, run, summary, workload
+from perf.fleet import BLOCK, Options, Record, _ms, compare, recovery, run, summary, workload
 
 log = logging.getLogger("perf.fleet_dynamo")
 MODES = ("kv", "round-robin")
@@ -131,6 +131,10 @@ class DynamoFleet:
             time.sleep(1.0)
         raise RuntimeError(f"the Dynamo fleet was not ready in {timeout:.0f} s; see {self.run_dir}")
 
+    def kill(self, i: int) -> None:
+        """SIGKILL worker ``i`` (no goodbye to the frontend: as a crashed machine)."""
+        self.procs[i].kill()
+
     def requests(self) -> list[dict]:
         if not self.log_file.exists():
             return []
@@ -181,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=float, default=900.0)
     ap.add_argument("--remote", action=argparse.BooleanOptionalAction, default=True,
                     help="the workers share a Redis (default); --no-remote: each keeps its own blocks only")
+    ap.add_argument("--kill", action=argparse.BooleanOptionalAction, default=False,
+                    help="then run the workload once more in kv mode and SIGKILL the last worker once --kill-after "
+                         "of the requests were answered (a failed request is retried once)")
+    ap.add_argument("--kill-after", type=float, default=0.4)
     ap.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="passed to dynamo.frontend as is (repeat; e.g. --router-arg=--router-temperature=0.5)")
     ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
@@ -237,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                      "%.2f req/s, failed %d", mode, 100 * row["hit_rate"], 100 * row["local_hit_rate"],
                      1e3 * row["ttft_p50_s"], 1e3 * row["ttft_p95_s"], 1e3 * row["ttft_p99_s"],
                      1e3 * (row["ttft_p99_after_opening_s"] or 0), row["requests_per_s"], row["failed"])
+        if args.kill and args.workers >= 2:
+            result["kill"] = kill_run(args, convs, opts, redis, answers)
         first = "reference" if args.reference else args.modes[0]
         for mode in args.modes:
             if mode != first:
@@ -249,6 +259,39 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "README.md").write_text(table(result) + "\n")
     print(table(result))
     return 0
+
+
+def kill_run(args, convs, opts: Options, redis, answers: dict) -> dict:
+    """The workload through ``kv`` once more, the last worker SIGKILLed once ``args.kill_after`` of
+    the requests were answered: failures, recovery and answers (against the reference's, or kv's)."""
+    from pckernels.store.testing import free_port
+
+    killed: dict = {}
+    total = sum(len(c.questions) for c in convs)
+    run_dir = Path(tempfile.mkdtemp(prefix="pc-dynamo-kill-"))
+    fleet = DynamoFleet(args.dynamo_python, args.workers, "kv", run_dir, redis.url if redis else None,
+                        "perf-dynamo-kill", args.budget, free_port(), tuple(args.router_arg))
+
+    def on_done(records: list[Record]) -> None:
+        if not killed and sum(r.ok for r in records) >= args.kill_after * total:
+            killed["at"] = time.perf_counter()
+            killed["answered"] = sum(r.ok for r in records)
+            fleet.kill(args.workers - 1)
+
+    try:
+        records, wall = asyncio.run(run(fleet.url, "smollm2", convs, opts, args.limit, on_done))
+        row = summary(records, wall)
+        row.update(worker_hits(fleet.requests()))
+    finally:
+        fleet.stop()
+        shutil.copy(run_dir / "frontend.log", args.out / "frontend-kill.log")
+    reference = answers.get("reference") or answers.get("kv") or {}
+    row["answers"] = compare(reference, records)
+    row["recovery"] = recovery(records, killed["at"]) if killed else None
+    row["killed_after_answers"] = killed.get("answered")
+    row["records"] = [asdict(r) for r in records]
+    log.info("kv, worker w%d killed: %s", args.workers - 1, row["recovery"])
+    return row
 
 
 def table(result: dict) -> str:
@@ -281,6 +324,18 @@ def table(result: dict) -> str:
                       f"rate {kv['hit_rate'] / max(rr['hit_rate'], 1e-9):.2f}x); TTFT p99 {_ms(kv['ttft_p99_s'])} vs "
                       f"{_ms(rr['ttft_p99_s'])}, after the opening {_ms(kv['ttft_p99_after_opening_s'])} vs "
                       f"{_ms(rr['ttft_p99_after_opening_s'])}, p95 {_ms(kv['ttft_p95_s'])} vs {_ms(rr['ttft_p95_s'])}."]
+    kill = result.get("kill")
+    if kill and kill.get("recovery"):
+        rec, first = kill["recovery"], kill["recovery"]["first_ok_after_kill_s"]
+        lines += ["", "## A worker killed mid-run", "",
+                  f"`kv`; the last worker SIGKILLed once {kill['killed_after_answers']} answers were in. Failed "
+                  f"requests: {rec['failed']} ({rec['failed_in_flight']} in flight at the kill, "
+                  f"{rec['failed_after_kill_started']} started after it); retried and answered: {rec['retried_ok']}. "
+                  f"Requests started after the kill: {rec['ok_after_kill']}/{rec['started_after_kill']} answered; "
+                  f"first answer after the kill {'%.2f s' % first if first is not None else 'never'} after it. "
+                  f"TTFT p50 {_ms(kill['ttft_p50_s'])}, p99 {_ms(kill['ttft_p99_s'])}; requests per worker "
+                  f"{', '.join(str(v) for v in kill['per_worker'].values())}. Answers equal: "
+                  f"{kill['answers']['same']}/{kill['answers']['compared']}."]
     lines += ["", "*answers equal*: to one `promptcache serve` replica's (no router, no Dynamo) when the run had "
                   "`--reference`, else to the first mode's."]
     return "\n".join(lines)

@@ -339,3 +339,10 @@ def test_dynamo_fleet_counts_hits_from_the_workers():
     assert "local hit rate: **2.00x** (hit rate 2.00x); TTFT p99 300 ms vs 400 ms" in table(result)
     assert "a shared Redis" in table(result)
     assert "no Redis: private stores" in table({**result, "remote": False})
+    result["kill"] = {**row, "per_worker": {"w0": 5, "w1": 2}, "killed_after_answers": 4,
+                      "answers": {"same": 7, "compared": 7},
+                      "recovery": {"failed": 1, "failed_in_flight": 1, "failed_after_kill_started": 0,
+                                   "retried_ok": 1, "ok_after_kill": 3, "started_after_kill": 3,
+                                   "first_ok_after_kill_s": 0.5}}
+    assert ("Failed requests: 1 (1 in flight at the kill, 0 started after it); retried and answered: 1. Requests "
+            "started after the kill: 3/3 answered; first answer after the kill 0.50 s after it.") in table(result)
