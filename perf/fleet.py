@@ -656,8 +656,8 @@ def table(result: dict) -> str:
              f"as cached); local hit rate: the same less {BLOCK} tokens per block the replicas read from Redis "
              "(`promptcache_store_hits_total{tier=\"remote\"}`). All runs on one fleet, each as its own "
              "API-key tenant (its blocks its own on every replica and in Redis); the reference is one more "
-             "replica, not behind the router. kv_aware ran first (the router's index holds what later runs "
-             "stored). *Credited*: prompt tokens kv_aware's router counted as cached on the worker it chose "
+             "replica, not behind the router. Policies ran in the table's order, each behind a router "
+             "started for it. *Credited*: prompt tokens kv_aware's router counted as cached on the worker it chose "
              "(its debug log).", "",
              "*TTFT p99 after the opening*: the p99 of the requests started once the first answer was in (the "
              "opening wave of cold first turns, which no policy can place on a cache, left out).", "",
