@@ -108,13 +108,7 @@ def dynamo_worker(model: str = opts.MODEL,
             relay = relay_endpoint(events) if events is not None and events.active else None
         except OptionError as exc:
             fail(option_message(exc))
-        config = opts.serving_config(model, device=device, dtype=dtype, matmul=matmul, store_dir=store_dir,
-                                     memory_only=memory_only, device_budget=device_budget, host_budget=host_budget,
-                                     disk_budget=disk_budget, remote=remote, remote_namespace=remote_namespace,
-                                     kv_budget=kv_budget, max_queue=max_queue, max_batch=max_batch,
-                                     step_tokens=step_tokens, lookahead=lookahead, prefix_block_size=prefix_block,
-                                     prefix_chunk=prefix_chunk, prefix_budget=prefix_budget,
-                                     prefix_resume=prefix_resume, kv_events=kv_events_config)
+        config = opts.serving_config(model, locals())
         engine = opts.load_serving_engine(model, config, allow_no_reuse)
         _log_to_stderr(level)
         work = private or Path(tempfile.mkdtemp(prefix="promptcache-dynamo-"))

@@ -4,8 +4,7 @@ started before the model loads, and the model loaded with its prefix-reuse self-
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -52,15 +51,25 @@ KV_EVENTS_CONFIG = typer.Option(None, help='KV events in vLLM\'s format, as vLLM
 LOG_LEVEL = typer.Option("info", help="debug, info, warning, error.")
 
 
-def serving_config(model: str, *, store_dir: Optional[Path], memory_only: bool, kv_events: str | None,
-                   **options) -> "EngineConfig":
-    """The checked :class:`EngineConfig` of a serving command's engine options (the store at
-    ``store_dir``, none with ``memory_only``), with its ``kv_events`` publisher started: a bad
-    option, or an event endpoint in use, ends the command with one line and exit status 2."""
+ENGINE_FLAGS = {"device": "device", "dtype": "dtype", "matmul": "matmul", "device_budget": "device_budget",
+                "host_budget": "host_budget", "disk_budget": "disk_budget", "kv_budget": "kv_budget",
+                "remote": "remote", "remote_namespace": "remote_namespace", "max_queue": "max_queue",
+                "max_batch": "max_batch", "step_tokens": "step_tokens", "lookahead": "lookahead",
+                "prefix_block": "prefix_block_size", "prefix_chunk": "prefix_chunk", "prefix_budget": "prefix_budget",
+                "prefix_resume": "prefix_resume", "placement": "placement", "kv_events_config": "kv_events"}
+"""A command's parameter name -> the :class:`EngineConfig` field it sets."""
+
+
+def serving_config(model: str, given: dict) -> "EngineConfig":
+    """The checked :class:`EngineConfig` of a serving command's parameters ``given`` (its
+    ``locals()``: the :data:`ENGINE_FLAGS` it has, the store at ``store_dir`` or none with
+    ``memory_only``), with its KV-event publisher started: a bad option, or an event endpoint in
+    use, ends the command with one line and exit status 2."""
     from pckernels.store import default_store_dir
 
-    store = False if memory_only else (store_dir or default_store_dir())
-    config = engine_settings(model, store_dir=store, kv_events=kv_events, **options)
+    store = False if given.get("memory_only") else (given.get("store_dir") or default_store_dir())
+    options = {field: given[name] for name, field in ENGINE_FLAGS.items() if name in given}
+    config = engine_settings(model, store_dir=store, **options)
     publisher = start_kv_events(config.kv_events)
     return config if publisher is None else config.replace(kv_events=publisher)
 

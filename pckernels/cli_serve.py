@@ -99,13 +99,7 @@ def serve(model: str = opts.MODEL,
         fail(f"--host {host} is reachable from other machines: give --api-keys, or bind 127.0.0.1")
     if schemas is not None and not schemas.is_dir():
         fail(f"--schemas {str(schemas)!r} is not a folder")
-    config = opts.serving_config(model, device=device, dtype=dtype, matmul=matmul, store_dir=store_dir,
-                                 memory_only=memory_only, device_budget=device_budget, host_budget=host_budget,
-                                 disk_budget=disk_budget, remote=remote, remote_namespace=remote_namespace,
-                                 kv_budget=kv_budget, max_queue=max_queue, max_batch=max_batch,
-                                 step_tokens=step_tokens, lookahead=lookahead, prefix_block_size=prefix_block,
-                                 prefix_chunk=prefix_chunk, prefix_budget=prefix_budget, prefix_resume=prefix_resume,
-                                 placement=placement, kv_events=kv_events_config)
+    config = opts.serving_config(model, locals())
     if remote is not None and keys and not os.environ.get(SECRET_ENV):
         log.warning("--remote with --api-keys but no $%s: each server derives its own tenant salts, so "
                     "tenants' blocks are not shared across the fleet; give every server the same secret",
