@@ -22,6 +22,7 @@ import json
 import logging
 import re
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -303,9 +304,24 @@ async def serve(engine, settings: DynamoSettings, *, model: str, events_endpoint
     await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint,
                          str(model_folder(model, work_dir)), settings.model_name or model,
                          worker_type=WorkerType.Aggregated, kv_cache_block_size=block, runtime_config=runtime_config)
+    _stop_on_signals(loop, runtime, endpoint)
     log.info("serving %s at %s (%s discovery, %s requests), KV events relayed from %s", model, settings.endpoint,
              settings.discovery_backend, settings.request_plane, events_endpoint)
     try:
         await endpoint.serve_endpoint(handler.generate)
     finally:
         del relay
+
+
+def _stop_on_signals(loop, runtime, endpoint) -> None:
+    """SIGTERM / SIGINT end the worker as Dynamo's own workers end: its endpoint withdrawn from
+    discovery first (the frontend stops routing to it), a grace period
+    (``$DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS``, 5 s) for what is in flight, then the runtime shut
+    down, so :func:`serve` returns and the command cleans up."""
+    try:
+        from dynamo.common.utils.graceful_shutdown import install_signal_handlers
+    except ImportError:  # an older Dynamo: stop at once
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, runtime.shutdown)
+        return
+    install_signal_handlers(loop, runtime, [endpoint])
