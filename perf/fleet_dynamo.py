@@ -9,16 +9,16 @@ would have to compute plus that load. This measures what that does with promptca
 
 ``PY`` is a Python that imports ``dynamo`` (``ai-dynamo`` and ``ai-dynamo-runtime`` 1.6.1) *and*
 ``pckernels`` (``docs/fleet.md``, "Dynamo's KV router", gives the recipe). Each worker
-(``--worker``, run by ``PY`` with this checkout on ``PYTHONPATH``) is one process with one engine
+(``--worker``, run by ``PY`` with this checkout on ``PYTHONPATH``) is ``promptcache
+dynamo-worker``'s handler and registration (``pckernels.cli_dynamo.run_worker``) over one engine
 (the embedded SmolLM2, one thread, ``prefix_block_size`` 16, token resumption, 96 MiB of prefix
-blocks, no disk tier, the shared Redis under a namespace of its run); it reads two warm-up prompts, registers the
-model with Dynamo's file discovery, serves token-in/token-out ``generate`` requests, and relays the
-engine's vLLM-format KV events (published on an ``ipc://`` socket) with Dynamo's
-``KvEventPublisher``. Per mode a fresh set of workers and one ``python -m dynamo.frontend
---router-mode MODE`` on loopback; the same workload as ``perf.fleet`` (its ``workload`` and client),
-first answered by one ``promptcache serve`` (``--reference``, the answers every mode must give);
-hit rates come from the workers' own counts (each request's cached prompt tokens, and blocks read
-from Redis), since Dynamo's usage carries none.
+blocks, no disk tier; the shared Redis under a namespace of its run, or none with ``--no-remote``),
+warmed by two prompts before it registers, writing a line per answer (its cached tokens and the
+worker's Redis reads). Per mode a fresh set of workers and one ``python -m dynamo.frontend
+--router-mode MODE`` (``--router-arg`` adds options) on loopback, file discovery, TCP requests, ZMQ
+events; the same workload as ``perf.fleet`` (its ``workload`` and client), first answered by one
+``promptcache serve`` (``--reference``, the answers every mode must give). ``--kill`` runs ``kv``
+once more and SIGKILLs the last worker mid-run.
 
 Writes ``fleet-dynamo.json`` and ``README.md`` under ``--out``.
 """
@@ -90,7 +90,7 @@ def serve_worker(args) -> None:
 class DynamoFleet:
     """``n`` workers and a frontend in ``mode``, file discovery under ``run_dir``; ``stop`` ends them."""
 
-    def __init__(self, python: str, n: int, mode: str, run_dir: Path, redis_url: str, namespace: str,
+    def __init__(self, python: str, n: int, mode: str, run_dir: Path, redis_url: str | None, namespace: str,
                  budget: str, port: int, router_args: tuple[str, ...] = ()) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
