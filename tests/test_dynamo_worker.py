@@ -300,3 +300,27 @@ def test_the_relay_connects_where_the_worker_binds():
     assert relay_endpoint(SimpleNamespace(endpoint="ipc:///tmp/x/events")) == "ipc:///tmp/x/events"
     with pytest.raises(OptionError):
         relay_endpoint(SimpleNamespace(endpoint="tcp://10.0.0.5:5557"))
+
+
+def test_the_command_hands_its_engine_flags_to_the_engine(tmp_path, cli_without_loading, monkeypatch):
+    """Every engine flag of ``dynamo-worker`` reaches the one ``EngineConfig`` it loads, with the
+    KV-event publisher started on the private ``ipc://`` endpoint Dynamo's relay will read."""
+    from pckernels import cli_dynamo, cli_engine
+
+    seen = {}
+
+    def loaded(model, config):
+        seen["config"] = config
+        config.kv_events.close()
+        raise SystemExit(3)
+
+    monkeypatch.setattr(cli_dynamo.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(cli_engine, "load_engine", loaded)
+    result = CliRunner().invoke(app, ["dynamo-worker", "--step-tokens", "300", "--max-batch", "5", "--prefix-chunk",
+                                      "48", "--prefix-budget", "64MiB", "--memory-only", "--max-queue", "7"])
+    assert result.exit_code == 3, result.output
+    config = seen["config"]
+    assert (config.step_tokens, config.max_batch, config.prefix_block_size, config.prefix_chunk,
+            config.max_queue, config.store_dir) == (300, 5, 16, 48, 7, False)
+    assert config.prefix_budget == 64 * 2**20
+    assert config.kv_events.config.endpoint.startswith("ipc://")
