@@ -226,9 +226,12 @@ def test_each_prompt_chooses_its_first_token_as_soon_as_it_is_read(tokenizer, mo
     sampling = [dict(max_new_tokens=1), dict(max_new_tokens=5, n=2), dict(max_new_tokens=5)]
     alone = [pc.complete(p, max_new_tokens=s["max_new_tokens"], reuse=False) for p, s in zip(prompts, sampling)]
     decoding = streams(pc, 1, new=1000)
-    with pc.model_lock:  # all three admitted before the traced step that reads them
+
+    def submit():  # on the scheduler thread between two steps: the next step admits all three, traced
         handles = [pc.submit(pc.complete_request(p, **s)) for p, s in zip(prompts, sampling)]
-        events = trace_outputs(pc, arena_runner, monkeypatch)
+        return handles, trace_outputs(pc, arena_runner, monkeypatch)
+
+    handles, events = pc.scheduler.call(submit)
     answers = [handles[0].result(timeout=120), *(h.result(timeout=120) for h in handles[1].choices),
                handles[2].result(timeout=120)]
     for handle in decoding:  # long enough to decode through the traced step, whoever gets the lock when

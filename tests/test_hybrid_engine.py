@@ -227,11 +227,16 @@ def test_each_prompt_chooses_its_first_token_as_soon_as_it_is_read(tokenizer, mo
     pc = engine(tokenizer, "qwen3_next")
     prompts = [chat(f"Question {i}: " + "what happens next? " * (i + 2)) for i in range(3)]
     alone = [pc.complete(p, max_new_tokens=NEW, reuse=False) for p in prompts]
-    stream = pc.submit(pc.complete_request(chat("Tell me everything."), max_new_tokens=400, reuse=False))
+    stream = pc.submit(pc.complete_request(chat("Tell me everything."), max_new_tokens=400, reuse=False,
+                                           ignore_eos=True))
     next(iter(stream))
-    with pc.model_lock:
+
+    def submit():  # on the scheduler thread between two steps: no wait for the model lock (a busy
+        # scheduler may hold it until the stream ends), and the next step admits all three, traced
         handles = [pc.submit(pc.complete_request(p, max_new_tokens=NEW)) for p in prompts]
-        events = trace_outputs(pc, hybrid, monkeypatch)
+        return handles, trace_outputs(pc, hybrid, monkeypatch)
+
+    handles, events = pc.scheduler.call(submit)
     answers = [h.result(timeout=120) for h in handles]
     stream.cancel()  # long enough to decode through the traced step
     with pytest.raises(RequestCancelled):
