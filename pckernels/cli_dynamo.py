@@ -7,7 +7,6 @@ import asyncio
 import importlib.util
 import json
 import logging
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -28,15 +27,14 @@ def relay_endpoint(config) -> str:
     """Where Dynamo's relay connects to the engine's KV-event publisher of ``config`` (a
     :class:`~pckernels.store.events.KVEventsConfig`): its ``ipc://`` path, or its wildcard TCP
     port on loopback. An endpoint the engine would connect to (not bind) is refused (``OptionError``)."""
+    from pckernels.store.events.publisher import binds
+
     endpoint = config.endpoint
-    if endpoint.startswith("ipc://"):
+    if binds(endpoint) and endpoint.startswith("ipc://"):
         return endpoint
-    if endpoint.startswith("tcp://"):
+    if binds(endpoint) and endpoint.startswith("tcp://"):
         host, _, port = endpoint[len("tcp://"):].rpartition(":")
-        if host in ("*", "0.0.0.0"):
-            return f"tcp://127.0.0.1:{port}"
-        if host in ("[::]", "::", "[*]"):
-            return f"tcp://[::1]:{port}"
+        return f"tcp://127.0.0.1:{port}" if host == "*" else f"tcp://[::1]:{port}"
     raise OptionError("kv_events", endpoint, "an endpoint the worker binds (ipc://PATH or tcp://*:PORT) for "
                       "Dynamo's relay to connect to", message=f"endpoint {endpoint!r} is connected to, not bound: "
                       "Dynamo's relay needs one the worker binds (ipc://PATH or tcp://*:PORT)")
@@ -85,9 +83,7 @@ def dynamo_worker(model: str = opts.MODEL,
     from pckernels.server.dynamo_worker import DynamoSettings
     from pckernels.store.events import kv_events_config as parse_events
 
-    level = getattr(logging, log_level.upper(), None)
-    if not isinstance(level, int):
-        fail(f"unknown --log-level {log_level!r}: expected debug, info, warning or error")
+    level = opts.log_level(log_level)
     try:
         settings = DynamoSettings(endpoint=endpoint, model_name=served_model_name,
                                   discovery_backend=discovery_backend, request_plane=request_plane,
@@ -96,10 +92,8 @@ def dynamo_worker(model: str = opts.MODEL,
         fail(option_message(exc))
     if importlib.util.find_spec("dynamo") is None or importlib.util.find_spec("dynamo._core") is None:
         fail(DYNAMO_MISSING)
-    private = None
-    try:
+    with tempfile.TemporaryDirectory(prefix="promptcache-dynamo-") as private:  # events socket, model card
         if kv_events_config is None:
-            private = Path(tempfile.mkdtemp(prefix="promptcache-dynamo-"))
             kv_events_config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                            "endpoint": f"ipc://{private}/events",
                                            "replay_endpoint": f"ipc://{private}/replay"})
@@ -110,17 +104,12 @@ def dynamo_worker(model: str = opts.MODEL,
             fail(option_message(exc))
         config = opts.serving_config(model, locals())
         engine = opts.load_serving_engine(model, config, allow_no_reuse)
-        _log_to_stderr(level)
-        work = private or Path(tempfile.mkdtemp(prefix="promptcache-dynamo-"))
+        opts.log_to_stderr(level)
         try:
-            run_worker(engine, settings, model=model, events_endpoint=relay, work_dir=work, max_tokens=max_tokens)
+            run_worker(engine, settings, model=model, events_endpoint=relay, work_dir=Path(private),
+                       max_tokens=max_tokens)
         finally:
             engine.close()
-            if work is not private:
-                shutil.rmtree(work, ignore_errors=True)
-    finally:
-        if private is not None:
-            shutil.rmtree(private, ignore_errors=True)
 
 
 def run_worker(engine, settings, *, model: str, events_endpoint: str | None, work_dir: Path, max_tokens: int,
@@ -142,11 +131,3 @@ def run_worker(engine, settings, *, model: str, events_endpoint: str | None, wor
     except KeyboardInterrupt:
         log.info("stopped")
 
-
-def _log_to_stderr(level: int) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("pckernels")
-    root.setLevel(level)
-    root.addHandler(handler)
-    root.propagate = False

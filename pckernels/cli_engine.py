@@ -4,6 +4,7 @@ started before the model loads, and the model loaded with its prefix-reuse self-
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import typer
@@ -104,3 +105,21 @@ def load_serving_engine(model: str, config: "EngineConfig", allow_no_reuse: bool
         fail(f"exact prefix reuse fails its self-check on this model ({refusal}); "
              "serve it anyway with --allow-no-reuse (prompts computed in full)")
     return engine
+
+
+def log_level(name: str) -> int:
+    """``--log-level`` as a ``logging`` level; an unknown name ends the command (exit status 2)."""
+    level = getattr(logging, name.upper(), None)
+    if not isinstance(level, int):
+        fail(f"unknown --log-level {name!r}: expected debug, info, warning or error")
+    return level
+
+
+def log_to_stderr(level: int) -> None:
+    """The package's log records at ``level`` and above to stderr, timestamped, not passed to the root."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    package = logging.getLogger("pckernels")
+    package.setLevel(level)
+    package.addHandler(handler)
+    package.propagate = False

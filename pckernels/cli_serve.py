@@ -86,9 +86,7 @@ def serve(model: str = opts.MODEL,
 
     if tool_call_parser not in ("auto", *PARSERS):
         fail(f"--tool-call-parser must be auto or one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
-    level = getattr(logging, log_level.upper(), None)
-    if not isinstance(level, int):
-        fail(f"unknown --log-level {log_level!r}: expected debug, info, warning or error")
+    level = opts.log_level(log_level)
     keys = None
     if api_keys is not None:
         try:
@@ -117,11 +115,7 @@ def serve(model: str = opts.MODEL,
     except ValueError as exc:
         engine.close()
         fail(exc)
-    logging.getLogger("pckernels").setLevel(level)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("pckernels").addHandler(handler)
-    logging.getLogger("pckernels").propagate = False
+    opts.log_to_stderr(level)
     tenants_note = f"{len(tenants.names)} tenants" if keys else "open (one tenant, loopback only)"
     console.print(f"promptcache: serving {escape(str(model))} as {escape(app.server.model_name)!r} on "
                   f"http://{escape(host)}:{port} — {tenants_note}", highlight=False)

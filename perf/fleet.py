@@ -458,6 +458,11 @@ def decisions(log: Path) -> dict:
     return {"outcomes": outcomes, "credited_tokens": credited}
 
 
+def warmup_text(i: int) -> str:
+    """The ``i``-th warm-up prompt (longer each round) a replica or worker reads before it is measured."""
+    return f"Warm-up {i}: " + "Count the rivers, the lanterns and the harbours. " * (12 * (i + 1))
+
+
 def warm(urls: list[str], key: str, rounds: int = 2) -> None:
     """Short chats straight to each replica before any measured run, as their own tenant (``key``):
     a replica's first forwards (allocations, oneDNN primitives, the arena's first growth) are paid
@@ -466,8 +471,7 @@ def warm(urls: list[str], key: str, rounds: int = 2) -> None:
         for url in urls:
             async with httpx.AsyncClient(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
                 for i in range(rounds):
-                    text = f"Warm-up {i}: " + "Count the rivers, the lanterns and the harbours. " * (12 * (i + 1))
-                    await chat(client, "smollm2", [{"role": "user", "content": text}], 4)
+                    await chat(client, "smollm2", [{"role": "user", "content": warmup_text(i)}], 4)
 
     asyncio.run(go())
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from perf.fleet import BLOCK, Options, Record, _ms, compare, recovery, run, summary, workload
+from perf.fleet import BLOCK, Options, Record, _ms, compare, recovery, run, summary, warmup_text, workload
 
 log = logging.getLogger("perf.fleet_dynamo")
 MODES = ("kv", "round-robin")
@@ -69,8 +69,7 @@ def serve_worker(args) -> None:
     config = config.replace(kv_events=start_kv_events(config.kv_events))
     engine = load_engine("smollm2", config)
     for i in range(2):  # its first forwards paid before it serves (as perf.fleet warms its replicas)
-        engine.complete(f"Warm-up {i}: " + "Count the rivers, the lanterns and the harbours. " * (12 * (i + 1)),
-                        max_new_tokens=4, reuse=False)
+        engine.complete(warmup_text(i), max_new_tokens=4, reuse=False)
     lines = open(args.log_file, "a", buffering=1)
 
     def observe(result, handle) -> None:

@@ -129,10 +129,10 @@ def test_the_token_that_ends_an_answer_travels_with_the_finish_reason(pc, tokeni
 
 
 class ScriptedEngine:
-    """An engine whose one answer is ``tokens``, emitted ``gap`` seconds apart, ended ``gap`` after the
-    last: what a slow scheduler step looks like to the handler."""
+    """An engine whose one answer is ``tokens``, emitted ``gap`` seconds apart (the last flagged as
+    final, as the scheduler flags the token that ends an answer), ended ``gap`` after the last: what a
+    slow scheduler step looks like to the handler."""
 
-    eos_ids = frozenset({2})
     tokenizer = None
     grammars = None
 
@@ -156,8 +156,8 @@ class ScriptedEngine:
         handle = RequestHandle(req)
 
         def play():
-            for token in self.tokens:
-                handle._emit(token)
+            for i, token in enumerate(self.tokens):
+                handle._emit(token, final=i == len(self.tokens) - 1)
                 time.sleep(self.gap)
             handle._finish(GenerationResult(text="", token_ids=list(self.tokens), prompt_token_ids=req.prompt_token_ids,
                                             positions=[], ttft_s=0.0, total_s=0.0, cached_tokens=0,

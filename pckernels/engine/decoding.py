@@ -50,7 +50,7 @@ class Decoding:
         ends the request (the caller finishes it), True when it goes on."""
         choice = active.choice
         token = choice.choose(logits, active.next_pos)
-        active.handle._emit(token, choice.logprobs[-1] if choice.logprobs else None)
+        active.handle._emit(token, choice.logprobs[-1] if choice.logprobs else None, final=choice.done)
         if active.choice.done:
             return False
         active.pending = token

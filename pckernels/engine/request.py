@@ -99,6 +99,9 @@ class RequestHandle:
         self._error: BaseException | None = None
         self._cancelled = threading.Event()
         self._listeners: list[Callable[[], None]] = []
+        self.final_emitted = False
+        """Whether the token that ends this answer has been streamed (set before it is queued; the
+        result follows once its scheduler step is counted)."""
         self.logprobs: list = []
         """Per token emitted so far, its :class:`~pckernels.generation.TokenLogprob` when the request
         asked for log-probabilities (appended before the token is streamed)."""
@@ -159,7 +162,8 @@ class RequestHandle:
 
     # -- the scheduler's side ------------------------------------------------------------------------
 
-    def _emit(self, token: int, logprob=None) -> None:
+    def _emit(self, token: int, logprob=None, final: bool = False) -> None:
+        self.final_emitted = final
         if logprob is not None:
             self.logprobs.append(logprob)
         self._tokens.put(token)

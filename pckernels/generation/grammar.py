@@ -131,6 +131,19 @@ class Grammars:
 
         return self._compile(llguidance.LLMatcher.grammar_from_lark(grammar), "grammar", grammar)
 
+    KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
+    """What :meth:`compile` takes: OpenAI's ``response_format`` types and vLLM's ``guided_*`` fields."""
+
+    def compile(self, kind: str, value: Any = None) -> Grammar:
+        """The constraint of one ``kind`` (:data:`KINDS`; ``grammar`` is Lark, ``json_object`` takes
+        no value)."""
+        if kind == "json_object":
+            return self.json_object()
+        make = {"json_schema": self.json_schema, "regex": self.regex, "grammar": self.lark, "choice": self.choice}
+        if kind not in make:
+            raise GrammarError(f"unknown constraint {kind!r}: expected one of {', '.join(self.KINDS)}")
+        return make[kind](value)
+
     def choice(self, options: list[str]) -> Grammar:
         """Answers that are exactly one of ``options``."""
         if not options or not all(isinstance(o, str) and o for o in options):

@@ -31,6 +31,7 @@ from pckernels.engine.request import RequestHandle
 from pckernels.errors import OptionError
 from pckernels.generation import GenerationResult, SamplingParams
 from pckernels.server.generation import Watcher
+from pckernels.server.replies import finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +123,8 @@ def _grammar(guided: dict, grammars):
         raise OptionError("guided_decoding", guided, "exactly one of json, regex, choice, grammar")
     (kind, value), = given.items()
     if kind == "json":
-        value = json.loads(value) if isinstance(value, str) else value
-        return grammars.json_schema(value)
-    return {"regex": grammars.regex, "choice": grammars.choice, "grammar": grammars.lark}[kind](value)
+        kind, value = "json_schema", json.loads(value) if isinstance(value, str) else value
+    return grammars.compile(kind, value)
 
 
 def _usage(result: GenerationResult) -> dict:
@@ -167,11 +167,10 @@ class DynamoHandler:
     async def generate(self, request: dict, context=None) -> AsyncIterator[dict]:
         """Stream the answers of one request: chunks of new token ids per answer (``index``), the
         last chunk of each with its ``finish_reason`` (``stop``, ``length``, ``cancelled`` or
-        ``error: …``) and usage. A token that may end its answer (an end-of-sequence or stop id, the
-        ``max_tokens``-th) is held until the engine says whether it did, so it travels with the
-        finish reason, as vLLM's workers send it: Dynamo's frontend ends the stream at a stop id, and
-        a usage sent after it would be lost. A bad request ends at once with ``error: …`` and queues
-        nothing."""
+        ``error: …``) and usage. The token that ends an answer (``RequestHandle.final_emitted``) is
+        held until the answer's result is in, so it travels with the finish reason, as vLLM's workers
+        send it: Dynamo's frontend ends the stream at a stop id, and a usage sent after it would be
+        lost. A bad request ends at once with ``error: …`` and queues nothing."""
         try:
             handle = await asyncio.to_thread(self._submit, request)
         except Exception as exc:  # noqa: BLE001 — bad input: the answer is the error
@@ -201,7 +200,7 @@ class DynamoHandler:
                         moved = True
                         open_.discard(index)
                         yield self._end(index, answer, tokens, sent[index])
-                    elif tokens and self._may_end(answer, sent[index] + len(tokens), tokens[-1]):
+                    elif tokens and answer.final_emitted:
                         held[index] = tokens
                     elif tokens:
                         moved = True
@@ -213,11 +212,6 @@ class DynamoHandler:
             for choice in handle.choices:
                 if not choice.done:
                     choice.cancel()
-
-    def _may_end(self, answer: RequestHandle, count: int, last: int) -> bool:
-        params = answer.request.params
-        return (count >= params.max_new_tokens or last in params.stop_token_ids
-                or (not params.ignore_eos and last in self.engine.eos_ids))
 
     def _chunk(self, index: int, answer: RequestHandle, tokens: list[int], sent: int) -> dict:
         chunk: dict[str, Any] = {"index": index, "token_ids": tokens}
@@ -236,7 +230,7 @@ class DynamoHandler:
             return chunk
         if self.observe is not None:
             self.observe(result, answer)
-        chunk["finish_reason"] = "length" if result.finish_reason == "length" else "stop"
+        chunk["finish_reason"] = finish_reason(result.finish_reason)
         chunk["completion_usage"] = _usage(result)
         return chunk
 
@@ -256,14 +250,12 @@ def model_folder(model: str, root: Path) -> Path:
     for name in _TOKENIZER_FILES:
         if (source / name).exists() and not (folder / name).exists():
             shutil.copy(source / name, folder / name)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     kind = config.get("model_type") or "llama"
-    config["architectures"] = [_ARCHITECTURES.get(kind, kind.capitalize() + "ForCausalLM")]
+    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind, kind.capitalize() + "ForCausalLM")]
     (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}, indent=1))
     return folder
-
-
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                  "gemma": "GemmaForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def _source_folder(model: str) -> Path:

@@ -280,12 +280,8 @@ def _grammar(engine, body):
     if constraint is None:
         return None
     field, kind, value = constraint
-    grammars = engine.grammars
-    make = {"json_object": lambda: grammars.json_object(), "json_schema": lambda: grammars.json_schema(value),
-            "regex": lambda: grammars.regex(value), "grammar": lambda: grammars.lark(value),
-            "choice": lambda: grammars.choice(value)}[kind]
     try:
-        return make()
+        return engine.grammars.compile(kind, value)
     except GrammarError as exc:
         raise APIError(400, str(exc), param=field, code="invalid_grammar") from None
 

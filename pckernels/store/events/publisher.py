@@ -43,7 +43,7 @@ class KVEventsBindError(OSError):
     """An endpoint of ``--kv-events-config`` could not be bound or connected (in use, no permission)."""
 
 
-def _binds(endpoint: str) -> bool:
+def binds(endpoint: str) -> bool:
     """vLLM's rule: bind a wildcard, IPv6 or local endpoint, connect to anything else."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
@@ -89,7 +89,7 @@ class KVEventPublisher:
             sock.setsockopt(zmq.SNDHWM, self.config.hwm)
             sock.setsockopt(zmq.XPUB_VERBOSER, 1)
         try:
-            if (_binds(endpoint) if bind is None else bind):
+            if (binds(endpoint) if bind is None else bind):
                 sock.bind(endpoint)
             else:
                 sock.connect(endpoint)
